@@ -1,0 +1,1 @@
+"""Backends execute a Plan: `cpu` (the torch interpreter, the reference semantics) and `cuda`."""

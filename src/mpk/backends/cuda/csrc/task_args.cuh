@@ -1,0 +1,48 @@
+// TaskArgs: what a task kind's device function sees of its task.
+//
+// rec     : the task's instruction record (layout constants REC_* are generated from
+//           mpk/compiler/record.py into the megakernel source before this header is included).
+// params  : the op's parameter row (PARAM_WORDS int32; floats are stored as their IEEE bits).
+//           Each kind's param indices are generated as constants P_<NAME> in its namespace.
+// tensors : the tensor table: device base pointer of every tensor of the Plan.
+// step    : the LOCAL decode step inside this launch (0 .. num_steps-1).
+// smem    : this CTA's dynamic shared memory (SMEM_BYTES, generated).
+#pragma once
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace mpk {
+
+struct TaskArgs {
+  const int* rec;
+  const int* params;
+  void* const* tensors;
+  int step;
+  char* smem;
+
+  // Pointer to the first element of operand `slot`'s TILE (tile offset already applied), or
+  // nullptr when the optional operand is absent. Slots are generated per kind as O_<NAME>.
+  template <class T>
+  __device__ __forceinline__ T* operand(int slot) const {
+    const int* o = rec + REC_OPERANDS + REC_OPERAND_STRIDE * slot;
+    if (o[0] < 0) return nullptr;
+    long long off = (long long)(unsigned)o[1] | ((long long)(unsigned)o[2] << 32);
+    return reinterpret_cast<T*>(tensors[o[0]]) + off;
+  }
+  // Base pointer of the WHOLE tensor behind operand `slot` (for data-dependent access such as
+  // paged KV caches or embedding rows, where the tile offset is only the split's start).
+  template <class T>
+  __device__ __forceinline__ T* base(int slot) const {
+    const int* o = rec + REC_OPERANDS + REC_OPERAND_STRIDE * slot;
+    return o[0] < 0 ? nullptr : reinterpret_cast<T*>(tensors[o[0]]);
+  }
+  __device__ __forceinline__ bool has(int slot) const {
+    return rec[REC_OPERANDS + REC_OPERAND_STRIDE * slot] >= 0;
+  }
+  __device__ __forceinline__ int i(int p) const { return params[p]; }
+  __device__ __forceinline__ float f(int p) const { return __int_as_float(params[p]); }
+  // Grid coordinate of this task along axis 0, 1 or 2.
+  __device__ __forceinline__ int point(int axis) const { return rec[REC_POINT + axis]; }
+};
+
+}  // namespace mpk

@@ -1,0 +1,1 @@
+"""Compiler: Graph -> tasks -> dependency counters -> per-SM schedule -> Plan."""
