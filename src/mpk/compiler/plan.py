@@ -17,6 +17,9 @@ from typing import Any
 import numpy as np
 
 from mpk.compiler import record
+from mpk.dtypes import DType
+from mpk.tasks.base import OpView
+from mpk.tensors import Role, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,16 @@ class Plan:
         rows = [self.instrs[sm, : self.lengths[sm]] for sm in range(self.num_sms)]
         flat = np.concatenate(rows) if rows else np.zeros((0, record.WORDS), np.int32)
         return flat[np.argsort(flat[:, record.TASK], kind="stable")]
+
+    def op_view(self, index: int) -> OpView:
+        """The task kind's view of op `index` (shapes, splits, attrs), rebuilt from the Plan."""
+        op = self.ops[index]
+        tensors = {}
+        for operand, tid in op.operands:
+            t = self.tensors[tid]
+            tensors[operand] = TensorSpec(t.name, tuple(t.shape), DType(t.dtype), Role(t.role))
+        splits = {name: tuple(s) for name, s in op.splits}
+        return OpView(op.name, op.kind, tuple(op.grid), tensors, splits, dict(op.attrs))
 
     def task_name(self, task: int) -> str:
         """A human name for a task id: layer name and grid point."""

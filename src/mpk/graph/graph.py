@@ -8,7 +8,7 @@ from typing import Any
 
 from mpk.dtypes import DType
 from mpk.errors import GraphError
-from mpk.graph.tensor import Role, TensorSpec, check_name
+from mpk.tensors import Role, TensorSpec, check_name
 from mpk.tasks.base import Access, OpView, Split
 from mpk.tasks.registry import get_kind
 
@@ -57,7 +57,7 @@ class Graph:
         grid3 = _grid3(name, grid)
         tensors = self._operand_tensors(name, kind, task, operands)
         given = dict(splits or {})
-        full = task.default_splits(grid3, tensors)
+        full = {k: v for k, v in task.default_splits(grid3, tensors).items() if k in tensors}
         for operand, split in given.items():
             if operand not in tensors:
                 raise GraphError(f"layer '{name}' ({kind}): split given for unknown operand "

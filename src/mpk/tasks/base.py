@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from mpk.errors import GraphError
-from mpk.graph.tensor import TensorSpec
+from mpk.tensors import TensorSpec
 
 Split = tuple[int | None, int | None, int | None]
 Box = tuple[tuple[int, int], ...]

@@ -11,6 +11,8 @@ The grid splits weight rows (N, and M for stacks); out and residual follow; x is
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mpk.dtypes import DType
@@ -53,8 +55,10 @@ class Linear(TaskKind):
             raise op.error(f"weight must be [N, K] or [M, N, K], got {wshape}")
         k = wshape[-1]
         batch = op.shape("x")[0]
-        x_shape = (batch, 2, k) if prologue == "silu_mul" else (batch, k)
-        op.expect_shape("x", x_shape)
+        if prologue == "silu_mul":
+            op.expect_shape("x", (batch, 2, k))
+        elif math.prod(op.shape("x")[1:]) != k:
+            raise op.error(f"x {op.shape('x')} must hold K={k} values per row")
         op.expect_shape("out", (batch, *wshape[:-1]))
         op.expect_dtype("x", DType.BF16)
         op.expect_dtype("weight", DType.BF16)
@@ -120,4 +124,4 @@ def linear_input(tile: Tile) -> torch.Tensor:
         return rmsnorm_rows(x, tile["norm_weight"], tile.attr("eps"))
     if prologue == "silu_mul":
         return silu_mul(x[:, 0], x[:, 1])
-    return x.float()
+    return x.reshape(x.shape[0], -1).float()

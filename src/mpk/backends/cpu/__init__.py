@@ -1,0 +1,1 @@
+"""The CPU interpreter: executes a Plan task by task with the task kinds' torch references."""

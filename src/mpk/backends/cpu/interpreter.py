@@ -1,0 +1,125 @@
+"""CpuExecutor: runs a Plan on the CPU, one task at a time, with each kind's torch reference.
+
+This is THE reference semantics of a Plan: the same records, counters and step numbering as the
+CUDA runtime. Activations are poisoned (NaN, or a huge int) when allocated, so a read of memory
+no task wrote shows up in the results.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import torch
+
+from mpk.backends.cpu.orders import ORDERS, Counters, free_order, per_sm_order
+from mpk.compiler import record
+from mpk.compiler.plan import Plan
+from mpk.dtypes import DType
+from mpk.errors import MpkError
+from mpk.tasks.base import Tile
+from mpk.tasks.registry import get_kind
+
+INT_POISON = -(2**31) + 7
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype.is_floating_point:
+        return t.fill_(float("nan"))
+    return t.fill_(INT_POISON)
+
+
+class CpuExecutor:
+    def __init__(self, plan: Plan, order: str = "schedule", seed: int | None = None,
+                 poison: bool = True, priority: Callable[[int], float] | None = None) -> None:
+        if order not in ORDERS:
+            raise MpkError(f"unknown order {order!r}; use one of {ORDERS}")
+        self.plan = plan
+        self.order = order
+        self.rng = random.Random(seed)
+        self.priority = priority
+        self.counters = Counters(plan.num_counters)
+        self.step_begin = 0
+        self.tensors: dict[str, torch.Tensor] = {}
+        for t in plan.tensors:
+            if t.offset >= 0:
+                buf = torch.empty(t.shape, dtype=DType(t.dtype).torch)
+                self.tensors[t.name] = poison_(buf) if poison else buf.zero_()
+        self._views: dict[int, dict[str, torch.Tensor]] | None = None
+        self._kinds = [get_kind(k) for k in plan.kinds]
+        self._op_views = [plan.op_view(i) for i in range(len(plan.ops))]
+
+    # ---- Executor protocol -----------------------------------------------------------------
+    def bind(self, name: str, tensor: torch.Tensor) -> None:
+        spec = self._spec(name)
+        if spec.offset >= 0:
+            raise MpkError(f"tensor {name!r} is an activation in the plan's arena; use write()")
+        _check_like(name, tensor, tuple(spec.shape), DType(spec.dtype).torch)
+        self.tensors[name] = tensor if tensor.device.type == "cpu" else tensor.cpu()
+        self._views = None
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        spec = self._spec(name)
+        if name not in self.tensors:
+            raise MpkError(f"tensor {name!r} is not bound yet")
+        _check_like(name, value, tuple(spec.shape), None)
+        self.tensors[name].copy_(value)
+
+    def read(self, name: str) -> torch.Tensor:
+        self._spec(name)
+        return self.tensors[name].clone()
+
+    def run(self, num_steps: int = 1) -> None:
+        missing = [t.name for t in self.plan.tensors if t.name not in self.tensors]
+        if missing:
+            raise MpkError(f"bind these tensors before running: {', '.join(missing)}")
+        views = self._task_views()
+        for rec, step in self._order(num_steps):
+            task = int(rec[record.TASK])
+            op_index = int(rec[record.OP])
+            point = tuple(int(x) for x in rec[record.POINT: record.POINT + 3])
+            tile = Tile(self._op_views[op_index], point, views[task], step)  # type: ignore[arg-type]
+            self._kinds[int(rec[record.KIND])].reference(tile)
+        self.step_begin += num_steps
+
+    # ---- internals -------------------------------------------------------------------------
+    def _order(self, num_steps: int):
+        if self.order == "free":
+            prio = self.priority or (lambda t: self.rng.random())
+            return free_order(self.plan, self.counters, self.step_begin, num_steps, prio)
+        rng = self.rng if self.order == "random" else None
+        return per_sm_order(self.plan, self.counters, self.step_begin, num_steps, rng)
+
+    def _spec(self, name: str):
+        try:
+            return self.plan.tensor(name)
+        except KeyError:
+            raise MpkError(f"the plan has no tensor named {name!r}") from None
+
+    def _task_views(self) -> dict[int, dict[str, torch.Tensor]]:
+        if self._views is None:
+            self._views = {}
+            for op_index, op in enumerate(self.plan.ops):
+                view = self._op_views[op_index]
+                kind = get_kind(op.kind)
+                points = _points(op.grid)
+                for local, point in enumerate(points):
+                    self._views[op.first_task + local] = {
+                        operand: self.tensors[self.plan.tensors[tid].name][
+                            tuple(slice(lo, hi) for lo, hi in kind.region(view, operand, point))]
+                        for operand, tid in op.operands
+                    }
+        return self._views
+
+
+def _points(grid: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    return [(i, j, k) for k in range(grid[2]) for j in range(grid[1]) for i in range(grid[0])]
+
+
+def _check_like(name: str, t: torch.Tensor, shape: tuple[int, ...],
+                dtype: torch.dtype | None) -> None:
+    if tuple(t.shape) != shape:
+        raise MpkError(f"tensor {name!r}: expected shape {shape}, got {tuple(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise MpkError(f"tensor {name!r}: expected dtype {dtype}, got {t.dtype}")
+

@@ -1,0 +1,160 @@
+"""compile_graph: Graph -> Plan. Runs the passes in order: fuse, tile, deps, counters, schedule,
+records, deadlock check, arena placement."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import numpy as np
+
+from mpk.compiler import record
+from mpk.compiler.counters import CounterPlan, assign_counters
+from mpk.compiler.deps import find_edges
+from mpk.compiler.fuse import fuse
+from mpk.compiler.plan import Plan, PlanOp, PlanTensor
+from mpk.compiler.schedule import CostModel, Schedule, schedule_tasks
+from mpk.compiler.simulate import check_deadlock_free
+from mpk.compiler.tiling import TiledOp, tile_graph
+from mpk.errors import CompileError
+from mpk.graph.graph import Graph
+from mpk.tensors import Role
+
+ARENA_ALIGN = 256
+
+
+def compile_graph(graph: Graph, num_sms: int = 132, *, fuse_ops: bool = True,
+                  cost_model: CostModel = CostModel()) -> Plan:
+    t0 = time.perf_counter()
+    if num_sms <= 0:
+        raise CompileError(f"num_sms must be positive, got {num_sms}")
+    if not graph.ops:
+        raise CompileError("the graph has no layers")
+    if fuse_ops:
+        graph = fuse(graph)
+    ops = tile_graph(graph)
+    shapes = {name: t.shape for name, t in graph.tensors.items()}
+    edges = find_edges(ops, shapes)
+    counters = assign_counters([op.num_tasks for op in ops], edges)
+    costs = [op.kind.cost(op.view) for op in ops for _ in range(op.num_tasks)]
+    sched = schedule_tasks(costs, counters.waits, counters.signals, num_sms, cost_model)
+    tensors, tensor_ids, arena = _tensor_table(graph, ops)
+    kinds = tuple(sorted({op.op.kind for op in ops}))
+    instrs, lengths = _records(ops, counters, sched, tensor_ids, kinds, graph, num_sms)
+    check_deadlock_free(instrs, lengths, len(counters.counts))
+    plan = Plan(
+        num_sms=num_sms, kinds=kinds, tensors=tensors,
+        ops=tuple(_plan_op(op, tensor_ids) for op in ops),
+        op_params=_op_params(ops), instrs=instrs, lengths=lengths,
+        counter_counts=np.array(counters.counts, dtype=np.int32), arena_bytes=arena,
+    )
+    plan.meta.update(_stats(ops, counters, sched, plan, costs, cost_model))
+    plan.meta["compile_s"] = round(time.perf_counter() - t0, 3)
+    return plan
+
+
+def _tensor_table(graph: Graph, ops: list[TiledOp]) -> tuple[tuple[PlanTensor, ...],
+                                                             dict[str, int], int]:
+    used = {acc.tensor for op in ops for acc in op.accesses}
+    table, ids, offset = [], {}, 0
+    for name, spec in graph.tensors.items():
+        if name not in used:
+            continue
+        tensor_offset = -1
+        if spec.role is Role.ACTIVATION:
+            tensor_offset = offset
+            offset += -(-spec.nbytes // ARENA_ALIGN) * ARENA_ALIGN
+        ids[name] = len(table)
+        table.append(PlanTensor(name, spec.shape, spec.dtype.value, spec.role.value,
+                                tensor_offset))
+    return tuple(table), ids, offset
+
+
+def _plan_op(op: TiledOp, tensor_ids: dict[str, int]) -> PlanOp:
+    return PlanOp(op.op.name, op.op.kind, op.op.grid,
+                  tuple((acc.operand, tensor_ids[acc.tensor]) for acc in op.accesses),
+                  tuple(op.op.splits), tuple(op.op.attrs), op.first_task)
+
+
+def _op_params(ops: list[TiledOp]) -> np.ndarray:
+    table = np.zeros((len(ops), record.PARAM_WORDS), dtype=np.int32)
+    for i, op in enumerate(ops):
+        words = op.kind.param_words(op.view)
+        if len(words) > record.PARAM_WORDS:
+            raise AssertionError(f"{op.kind.name} has more than {record.PARAM_WORDS} params")
+        table[i, : len(words)] = words
+    return table
+
+
+def _records(ops: list[TiledOp], counters: CounterPlan, sched: Schedule,
+             tensor_ids: dict[str, int], kinds: tuple[str, ...], graph: Graph,
+             num_sms: int) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.bincount(sched.sm_of_task, minlength=num_sms).astype(np.int32)
+    instrs = np.full((num_sms, max(int(lengths.max()), 1), record.WORDS), 0, dtype=np.int32)
+    fill = np.zeros(num_sms, dtype=np.int64)
+    for op in ops:
+        kind_id = kinds.index(op.op.kind)
+        slots = {spec.name: i for i, spec in enumerate(op.kind.operands)}
+        for local in range(op.num_tasks):
+            task = op.first_task + local
+            rec = _record_of(op, local, task, kind_id, slots, counters, tensor_ids, graph)
+            sm = int(sched.sm_of_task[task])
+            instrs[sm, fill[sm]] = rec
+            fill[sm] += 1
+    return instrs, lengths
+
+
+def _record_of(op: TiledOp, local: int, task: int, kind_id: int, slots: dict[str, int],
+               counters: CounterPlan, tensor_ids: dict[str, int], graph: Graph) -> np.ndarray:
+    rec = np.zeros(record.WORDS, dtype=np.int64)
+    rec[record.KIND], rec[record.OP], rec[record.TASK] = kind_id, op.index, task
+    waits = counters.waits[task]
+    rec[record.NUM_WAITS] = len(waits)
+    for w, (c, count, prev) in enumerate(waits):
+        rec[record.WAITS + 3 * w: record.WAITS + 3 * w + 3] = (c, count, int(prev))
+    signals = counters.signals[task]
+    rec[record.NUM_SIGNALS] = len(signals)
+    rec[record.SIGNALS: record.SIGNALS + len(signals)] = signals
+    rec[record.POINT: record.POINT + 3] = op.points[local]
+    rec[record.NUM_OPERANDS] = len(op.kind.operands)
+    for s in range(record.MAX_OPERANDS):
+        rec[record.OPERANDS + record.OPERAND_STRIDE * s] = -1
+    for p in range(record.MAX_PREFETCH):
+        rec[record.PREFETCH + record.PREFETCH_STRIDE * p] = -1
+    num_prefetch = 0
+    for acc in op.accesses:
+        spec = graph.tensors[acc.tensor]
+        box = acc.boxes[local]
+        strides = spec.strides()
+        first = int(sum(int(lo) * st for (lo, _), st in zip(box, strides)))
+        last = int(sum((int(hi) - 1) * st for (_, hi), st in zip(box, strides)))
+        base = record.OPERANDS + record.OPERAND_STRIDE * slots[acc.operand]
+        rec[base] = tensor_ids[acc.tensor]
+        rec[base + 1: base + 3] = record.split64(first)
+        if acc.weight and num_prefetch < record.MAX_PREFETCH:
+            pbase = record.PREFETCH + record.PREFETCH_STRIDE * num_prefetch
+            rec[pbase] = tensor_ids[acc.tensor]
+            rec[pbase + 1: pbase + 3] = record.split64(first * spec.dtype.itemsize)
+            rec[pbase + 3] = (last - first + 1) * spec.dtype.itemsize
+            num_prefetch += 1
+    return rec.astype(np.int32)
+
+
+def _stats(ops: list[TiledOp], counters: CounterPlan, sched: Schedule, plan: Plan,
+           costs: list, model: CostModel) -> dict:
+    waits_hist = Counter(len(w) for w in counters.waits)
+    weight_bytes = sum(c.weight_bytes for c in costs)
+    return {
+        "num_ops": len(ops),
+        "num_tasks": plan.num_tasks,
+        "num_counters": plan.num_counters,
+        "waits_histogram": {str(k): v for k, v in sorted(waits_hist.items())},
+        "tasks_per_kind": dict(Counter(op.op.kind for op in ops for _ in range(op.num_tasks))),
+        "ops_per_kind": dict(Counter(op.op.kind for op in ops)),
+        "sm_busy_us": {"min": float(sched.busy_us.min()), "mean": float(sched.busy_us.mean()),
+                       "max": float(sched.busy_us.max())},
+        "predicted_us_per_step": round(sched.makespan_us, 2),
+        "weight_bytes_per_step": int(weight_bytes),
+        "floor_us_per_step": round(weight_bytes / model.hbm_bytes_per_us, 2),
+        "arena_bytes": plan.arena_bytes,
+    }

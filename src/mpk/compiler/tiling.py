@@ -1,0 +1,82 @@
+"""Tiling: every op becomes one task per grid point, each with the box it touches in each operand.
+
+Task order inside an op: grid axis 0 fastest, then axis 1, then axis 2. Boxes are numpy arrays
+[num_tasks, ndim, 2] of half-open [lo, hi) ranges, so overlap tests are vectorised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpk.graph.graph import Graph, Op
+from mpk.tasks.base import Access, OpView, TaskKind
+from mpk.tasks.registry import get_kind
+
+
+@dataclass(frozen=True)
+class Access1:
+    """One operand of a tiled op: which tensor, how it is accessed, the box of every task."""
+
+    operand: str
+    tensor: str
+    access: Access
+    weight: bool
+    boxes: np.ndarray  # int64 [num_tasks, ndim, 2]
+
+
+@dataclass(frozen=True)
+class TiledOp:
+    index: int
+    op: Op
+    view: OpView
+    kind: TaskKind
+    first_task: int
+    points: np.ndarray  # int32 [num_tasks, 3]
+    accesses: tuple[Access1, ...]
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.points)
+
+
+def grid_points(grid: tuple[int, int, int]) -> np.ndarray:
+    n = grid[0] * grid[1] * grid[2]
+    t = np.arange(n)
+    return np.stack([t % grid[0], (t // grid[0]) % grid[1], t // (grid[0] * grid[1])],
+                    axis=1).astype(np.int32)
+
+
+def tile_graph(graph: Graph) -> list[TiledOp]:
+    tiled: list[TiledOp] = []
+    first = 0
+    for index, op in enumerate(graph.ops):
+        view = graph.view(op)
+        kind = get_kind(op.kind)
+        points = grid_points(op.grid)
+        accesses = tuple(_access(kind, view, spec.name, points)
+                         for spec in kind.operands if spec.name in view.tensors)
+        tiled.append(TiledOp(index, op, view, kind, first, points, accesses))
+        first += len(points)
+    return tiled
+
+
+def _access(kind: TaskKind, view: OpView, operand: str, points: np.ndarray) -> Access1:
+    spec = kind.operand(operand)
+    boxes = np.array([kind.region(view, operand, tuple(int(x) for x in p)) for p in points],
+                     dtype=np.int64).reshape(len(points), len(view.shape(operand)), 2)
+    return Access1(operand, view.tensors[operand].name, spec.access, spec.weight, boxes)
+
+
+def overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """bool [len(b), len(a)]: does box b[j] intersect box a[i]?"""
+    lo = np.maximum(b[:, None, :, 0], a[None, :, :, 0])
+    hi = np.minimum(b[:, None, :, 1], a[None, :, :, 1])
+    return np.all(lo < hi, axis=-1)
+
+
+def covers_whole(boxes: np.ndarray, shape: tuple[int, ...]) -> bool:
+    """Do the (disjoint) boxes of one op's writes cover the whole tensor?"""
+    volume = np.prod(boxes[:, :, 1] - boxes[:, :, 0], axis=1).sum()
+    return int(volume) == int(np.prod(shape))

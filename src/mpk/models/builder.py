@@ -1,0 +1,195 @@
+"""Model builder: ModelConfig -> Graph of one decode step (Qwen3 and Llama 3 share it).
+
+The graph is written unfused and readable (rmsnorm, linear, silu_mul ...); the compiler fuses
+norms and silu*mul into the linears. Tile grids are chosen here from the SM count so that each
+weight-streaming op spreads evenly over the GPU.
+
+Weights use graph names; `graph_weights` turns Hugging Face tensors into them (fused QKV grouped
+per KV head, stacked gate/up, the RoPE table).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mpk.dtypes import DType
+from mpk.errors import UnsupportedError
+from mpk.graph.graph import Graph
+from mpk.models.config import ModelConfig
+from mpk.models.rope import rope_table
+from mpk.tensors import Role
+
+BF16, F32, I32 = DType.BF16, DType.F32, DType.I32
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """Sizes fixed at compile time: rows per step, steps per launch, the paged KV cache."""
+
+    batch: int = 1
+    steps_per_launch: int = 16
+    page_size: int = 16
+    max_pages: int = 64  # per sequence: max sequence length = max_pages * page_size
+    num_pages: int = 64  # per layer, shared by all rows
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.batch <= 8:
+            raise UnsupportedError(f"batch {self.batch}: MPK decodes 1 to 8 rows per step")
+        if min(self.steps_per_launch, self.page_size, self.max_pages, self.num_pages) <= 0:
+            raise UnsupportedError(f"invalid decode shape {self}")
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.max_pages * self.page_size
+
+
+def choose_split(rows: int, target_tasks: int, multiple: int = 8) -> int:
+    """How many tiles to cut `rows` into: tiles of a multiple of `multiple` rows, the tile count
+    filling `target_tasks` slots as evenly as possible (ties: fewer, larger tiles)."""
+    target_tasks = max(1, target_tasks)
+    best, best_score = 1, -1.0
+    for d in range(1, rows + 1):
+        if rows % d or (rows // d) % multiple and d != 1:
+            continue
+        waves = -(-d // target_tasks)
+        score = d / (waves * target_tasks) - 0.02 * (waves - 1)
+        if score > best_score + 1e-9:
+            best, best_score = d, score
+    return best
+
+
+def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = 132,
+                layers: range | None = None) -> Graph:
+    layers = range(cfg.num_layers) if layers is None else layers
+    g = Graph()
+    b, h, d = shape.batch, cfg.hidden_size, cfg.head_dim
+    kvh, group, inter = cfg.num_kv_heads, cfg.group, cfg.intermediate_size
+    g.add_tensor("prompt", (shape.steps_per_launch, b), I32, Role.IO)
+    g.add_tensor("positions", (b,), I32, Role.IO)
+    g.add_tensor("page_table", (b, shape.max_pages), I32, Role.IO)
+    g.add_tensor("tokens_out", (shape.steps_per_launch, b), I32, Role.IO)
+    g.add_tensor("tokens", (b,), I32, Role.ACTIVATION)
+    g.add_tensor("embed", (cfg.vocab_size, h), BF16, Role.WEIGHT)
+    g.add_tensor("rope", (shape.max_seq_len, d), F32, Role.WEIGHT)
+    g.add_tensor("hidden", (b, h), BF16, Role.ACTIVATION)
+    g.add_op("embedding", "embed", (choose_split(h, max(1, h // 256), 64),),
+             {"tokens": "tokens", "prompt": "prompt", "table": "embed", "out": "hidden"})
+    for layer in layers:
+        _attention_block(g, cfg, shape, num_sms, layer)
+        _mlp_block(g, cfg, shape, num_sms, layer)
+    g.add_tensor("final_norm", (h,), BF16, Role.WEIGHT)
+    g.add_tensor("lm_head", (cfg.vocab_size, h), BF16, Role.WEIGHT)
+    g.add_tensor("final_hidden", (b, h), BF16, Role.ACTIVATION)
+    g.add_tensor("logits", (b, cfg.vocab_size), F32, Role.ACTIVATION)
+    g.add_op("rmsnorm", "final_norm", (1,), {"x": "hidden", "weight": "final_norm",
+                                             "out": "final_hidden"}, eps=cfg.rms_eps)
+    vocab_tiles = choose_split(cfg.vocab_size, num_sms)
+    g.add_op("linear", "lm_head", (vocab_tiles,), {"x": "final_hidden", "weight": "lm_head",
+                                                   "out": "logits"})
+    g.add_tensor("argmax_val", (b, vocab_tiles), F32, Role.ACTIVATION)
+    g.add_tensor("argmax_idx", (b, vocab_tiles), I32, Role.ACTIVATION)
+    g.add_op("argmax_partial", "argmax", (vocab_tiles,),
+             {"logits": "logits", "part_val": "argmax_val", "part_idx": "argmax_idx"})
+    g.add_op("argmax_reduce", "sample", (1,), {"part_val": "argmax_val", "part_idx": "argmax_idx",
+                                               "tokens": "tokens", "tokens_out": "tokens_out"})
+    return g
+
+
+def _attention_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int,
+                     layer: int) -> None:
+    p = f"layers.{layer}."
+    b, h, d = shape.batch, cfg.hidden_size, cfg.head_dim
+    kvh, group = cfg.num_kv_heads, cfg.group
+    width = (group + 2) * d
+    g.add_tensor(p + "input_norm", (h,), BF16, Role.WEIGHT)
+    g.add_tensor(p + "qkv_weight", (kvh, width, h), BF16, Role.WEIGHT)
+    g.add_tensor(p + "o_weight", (h, cfg.num_heads * d), BF16, Role.WEIGHT)
+    cache = (shape.num_pages, shape.page_size, kvh, d)
+    g.add_tensor(f"k_cache.{layer}", cache, BF16, Role.IO)
+    g.add_tensor(f"v_cache.{layer}", cache, BF16, Role.IO)
+    for name, shp in (("x_norm", (b, h)), ("qkv", (b, kvh, width)), ("q", (b, kvh, group * d)),
+                      ("attn", (b, kvh, group * d))):
+        g.add_tensor(p + name, shp, BF16, Role.ACTIVATION)
+    g.add_op("rmsnorm", p + "input_norm", (1,), {"x": "hidden", "weight": p + "input_norm",
+                                                 "out": p + "x_norm"}, eps=cfg.rms_eps)
+    n_tiles = choose_split(width, max(1, num_sms // kvh))
+    g.add_op("linear", p + "qkv", (kvh, n_tiles), {"x": p + "x_norm", "weight": p + "qkv_weight",
+                                                   "out": p + "qkv"})
+    rope_ops = {"qkv": p + "qkv", "rope": "rope", "positions": "positions",
+                "page_table": "page_table", "q_out": p + "q",
+                "k_cache": f"k_cache.{layer}", "v_cache": f"v_cache.{layer}"}
+    if cfg.qk_norm:
+        g.add_tensor(p + "q_norm", (d,), BF16, Role.WEIGHT)
+        g.add_tensor(p + "k_norm", (d,), BF16, Role.WEIGHT)
+        rope_ops.update(q_norm=p + "q_norm", k_norm=p + "k_norm")
+    g.add_op("qk_rope_append", p + "rope", (kvh,), rope_ops, eps=cfg.rms_eps)
+    _attention(g, shape, num_sms, p, layer, kvh, group, d)
+    o_tiles = choose_split(h, num_sms)
+    g.add_op("linear", p + "o_proj", (o_tiles,), {"x": p + "attn", "weight": p + "o_weight",
+                                                  "residual": "hidden", "out": "hidden"})
+
+
+def _attention(g: Graph, shape: DecodeShape, num_sms: int, p: str, layer: int, kvh: int,
+               group: int, d: int) -> None:
+    b = shape.batch
+    splits = max(1, min(16, num_sms // (kvh * b), shape.max_pages))
+    ops = {"q": p + "q", "k_cache": f"k_cache.{layer}", "v_cache": f"v_cache.{layer}",
+           "page_table": "page_table", "positions": "positions"}
+    if splits == 1:
+        g.add_op("attention", p + "attention", (kvh, b, 1), {**ops, "out": p + "attn"})
+        return
+    g.add_tensor(p + "part_o", (b, kvh, splits, group * d), F32, Role.ACTIVATION)
+    g.add_tensor(p + "part_lse", (b, kvh, splits, group), F32, Role.ACTIVATION)
+    g.add_op("attention", p + "attention", (kvh, b, splits),
+             {**ops, "part_o": p + "part_o", "part_lse": p + "part_lse"})
+    g.add_op("attention_merge", p + "attn_merge", (kvh, b, 1),
+             {"part_o": p + "part_o", "part_lse": p + "part_lse", "out": p + "attn"})
+
+
+def _mlp_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int, layer: int) -> None:
+    p = f"layers.{layer}."
+    b, h, inter = shape.batch, cfg.hidden_size, cfg.intermediate_size
+    g.add_tensor(p + "post_norm", (h,), BF16, Role.WEIGHT)
+    g.add_tensor(p + "gate_up_weight", (2, inter, h), BF16, Role.WEIGHT)
+    g.add_tensor(p + "down_weight", (h, inter), BF16, Role.WEIGHT)
+    g.add_tensor(p + "mlp_norm", (b, h), BF16, Role.ACTIVATION)
+    g.add_tensor(p + "gate_up", (b, 2, inter), BF16, Role.ACTIVATION)
+    g.add_tensor(p + "act", (b, inter), BF16, Role.ACTIVATION)
+    g.add_op("rmsnorm", p + "post_norm", (1,), {"x": "hidden", "weight": p + "post_norm",
+                                                "out": p + "mlp_norm"}, eps=cfg.rms_eps)
+    n_tiles = choose_split(inter, max(1, num_sms // 2))
+    g.add_op("linear", p + "gate_up", (2, n_tiles),
+             {"x": p + "mlp_norm", "weight": p + "gate_up_weight", "out": p + "gate_up"})
+    g.add_op("silu_mul", p + "silu_mul", (choose_split(inter, max(1, num_sms // 4), 64),),
+             {"x": p + "gate_up", "out": p + "act"})
+    g.add_op("linear", p + "down", (choose_split(h, num_sms),),
+             {"x": p + "act", "weight": p + "down_weight", "residual": "hidden", "out": "hidden"})
+
+
+def graph_weights(cfg: ModelConfig, hf: dict[str, torch.Tensor], max_pos: int,
+                  layers: range | None = None) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors -> the graph's weight tensors (done once at load)."""
+    layers = range(cfg.num_layers) if layers is None else layers
+    kvh, group, d, h = cfg.num_kv_heads, cfg.group, cfg.head_dim, cfg.hidden_size
+    embed = hf["model.embed_tokens.weight"]
+    out = {"embed": embed, "final_norm": hf["model.norm.weight"],
+           "lm_head": embed if cfg.tie_embeddings else hf["lm_head.weight"],
+           "rope": rope_table(cfg, max_pos).to(embed.device)}
+    for layer in layers:
+        src, dst = f"model.layers.{layer}.", f"layers.{layer}."
+        q = hf[src + "self_attn.q_proj.weight"].reshape(kvh, group, d, h)
+        k = hf[src + "self_attn.k_proj.weight"].reshape(kvh, 1, d, h)
+        v = hf[src + "self_attn.v_proj.weight"].reshape(kvh, 1, d, h)
+        out[dst + "qkv_weight"] = torch.cat([q, k, v], dim=1).reshape(kvh, (group + 2) * d, h)
+        out[dst + "o_weight"] = hf[src + "self_attn.o_proj.weight"]
+        out[dst + "input_norm"] = hf[src + "input_layernorm.weight"]
+        out[dst + "post_norm"] = hf[src + "post_attention_layernorm.weight"]
+        out[dst + "gate_up_weight"] = torch.stack([hf[src + "mlp.gate_proj.weight"],
+                                                   hf[src + "mlp.up_proj.weight"]])
+        out[dst + "down_weight"] = hf[src + "mlp.down_proj.weight"]
+        if cfg.qk_norm:
+            out[dst + "q_norm"] = hf[src + "self_attn.q_norm.weight"]
+            out[dst + "k_norm"] = hf[src + "self_attn.k_norm.weight"]
+    return {name: t.contiguous() for name, t in out.items()}
