@@ -139,22 +139,24 @@ def _signals(sizes: list[int], first: np.ndarray,
     return signals, counts, producers
 
 
-def _complete_groups(ops: list[OpCounters]) -> list[tuple[int, int]]:
-    """(total counter, mask of piece counters) for ops whose pieces cover every task: once all
-    those pieces are done, so is the total."""
+def _complete_groups(ops: list[OpCounters]) -> list[tuple[int, int, bool]]:
+    """(total counter, mask of its piece counters, do the pieces cover every task) per op with
+    both: a total implies its pieces; pieces that cover every task imply the total."""
     groups = []
     for oc in ops:
-        if oc.total_counter is not None and oc.piece_counter and (oc.piece_of_task >= 0).all():
+        if oc.total_counter is not None and oc.piece_counter:
             mask = sum(1 << c for c in oc.piece_counter)
-            groups.append((oc.total_counter, mask))
+            groups.append((oc.total_counter, mask, bool((oc.piece_of_task >= 0).all())))
     return groups
 
 
 def _reduce(waits: list[list[Wait]], producers: list[list[int]], num_counters: int,
-            groups: list[tuple[int, int]]) -> list[list[Wait]]:
+            groups: list[tuple[int, int, bool]]) -> list[list[Wait]]:
     """Drop waits implied by another wait of the same task (transitive reduction)."""
     cur_mask = (1 << num_counters) - 1
     implied = [0] * num_counters
+    piece_masks = {total: mask for total, mask, _ in groups}  # a total implies its pieces
+    groups = [(total, mask) for total, mask, whole in groups if whole]
 
     def complete(x: int) -> int:
         for total, mask in groups:
@@ -176,7 +178,7 @@ def _reduce(waits: list[list[Wait]], producers: list[list[int]], num_counters: i
             for t in producers[c]:
                 for w in waits[t]:
                     acc |= closure(w)
-            implied[c] = complete(acc)
+            implied[c] = complete(acc) | piece_masks.get(c, 0)
     out: list[list[Wait]] = []
     for w in waits:
         keep = list(w)

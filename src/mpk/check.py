@@ -1,0 +1,86 @@
+"""`mpk check`: compile a slice of a model, run it on random inputs, and report every tensor's
+error against the CPU interpreter (the reference semantics), plus the logits against the
+independent PyTorch reference model."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from mpk.backends.base import Executor, create_executor
+from mpk.compiler.lower import compile_graph
+from mpk.compiler.plan import Plan
+from mpk.models.builder import DecodeShape, build_graph, graph_weights
+from mpk.models.config import ModelConfig
+from mpk.models.reference import ReferenceModel
+from mpk.models.weights import random_weights
+
+BF16_TOL = 1e-2
+
+
+@dataclass(frozen=True)
+class CheckRow:
+    tensor: str
+    rel_err: float
+    tolerance: float
+    passed: bool
+
+
+def slice_config(cfg: ModelConfig, layers: range) -> ModelConfig:
+    """The model with only `layers` (renumbered from 0): same shapes, fewer layers."""
+    return dataclasses.replace(cfg, num_layers=len(layers))
+
+
+def run_check(cfg: ModelConfig, layers: range, backend: str, seed: int = 0,
+              num_sms: int | None = None, steps: int = 2) -> list[CheckRow]:
+    cfg = slice_config(cfg, layers)
+    num_sms = num_sms or (132 if backend == "cuda" else 8)
+    shape = DecodeShape(batch=1, steps_per_launch=steps, page_size=16, max_pages=4, num_pages=8)
+    plan = compile_graph(build_graph(cfg, shape, num_sms=num_sms), num_sms)
+    weights = random_weights(cfg, seed=seed)
+    prompt = torch.randint(0, cfg.vocab_size, (steps, 1), generator=torch.Generator().manual_seed(seed),
+                           dtype=torch.int32)
+    opts = {"poison": True} if backend == "cuda" else {"order": "random", "seed": seed}
+    runs = []
+    for executor in (create_executor(plan, "cpu"), create_executor(plan, backend, **opts)):
+        bind_model(executor, plan, cfg, shape, weights, seed)
+        executor.write("prompt", prompt)
+        executor.run(steps)
+        runs.append({t.name: executor.read(t.name) for t in plan.tensors if t.role != "weight"})
+    rows = [_compare(name, runs[1][name], runs[0][name]) for name in sorted(runs[0])]
+    ref = ReferenceModel(cfg, weights, max_seq=shape.max_seq_len)
+    logits = ref.forward(prompt.T.long(), 0)[0, -1]
+    rows.append(_compare("logits vs reference model", runs[1]["logits"][0], logits))
+    return rows
+
+
+def bind_model(ex: Executor, plan: Plan, cfg: ModelConfig, shape: DecodeShape,
+               weights: dict[str, torch.Tensor], seed: int) -> None:
+    """Bind weights, noise-filled KV caches and a shuffled page table (same for every seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    names = {t.name for t in plan.tensors}
+    for name, tensor in graph_weights(cfg, weights, shape.max_seq_len).items():
+        if name in names:
+            ex.bind(name, tensor)
+    cache = (shape.num_pages, shape.page_size, cfg.num_kv_heads, cfg.head_dim)
+    for layer in range(cfg.num_layers):
+        for kv in ("k", "v"):
+            ex.bind(f"{kv}_cache.{layer}", torch.randn(cache, generator=gen).bfloat16())
+    pages = torch.randperm(shape.num_pages, generator=gen)[: shape.batch * shape.max_pages]
+    ex.bind("page_table", pages.reshape(shape.batch, shape.max_pages).int())
+    ex.bind("positions", torch.zeros(shape.batch, dtype=torch.int32))
+    ex.bind("prompt", torch.full((shape.steps_per_launch, shape.batch), -1, dtype=torch.int32))
+    ex.bind("tokens_out", torch.zeros((shape.steps_per_launch, shape.batch), dtype=torch.int32))
+
+
+def _compare(name: str, got: torch.Tensor, want: torch.Tensor) -> CheckRow:
+    if not want.dtype.is_floating_point:
+        same = bool(torch.equal(got, want))
+        return CheckRow(name, 0.0 if same else 1.0, 0.0, same)
+    g, w = got.double(), want.double()
+    if torch.isnan(w).any() or torch.isnan(g).any():
+        return CheckRow(name, float("nan"), BF16_TOL, False)
+    err = float((g - w).norm() / max(float(w.norm()), 1e-30))
+    return CheckRow(name, err, BF16_TOL, err <= BF16_TOL)
