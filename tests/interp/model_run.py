@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from mpk.backends.base import create_executor
+from mpk.check import bind_model
 from mpk.compiler.lower import compile_graph
 from mpk.compiler.plan import Plan
-from mpk.models.builder import DecodeShape, build_graph, graph_weights
+from mpk.models.builder import DecodeShape, build_graph
 from mpk.models.config import ModelConfig
 
 
@@ -16,21 +17,7 @@ def make_plan(cfg: ModelConfig, shape: DecodeShape, num_sms: int, fuse_ops: bool
 
 
 def bind_all(ex, cfg: ModelConfig, shape: DecodeShape, weights: dict, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for name, tensor in graph_weights(cfg, weights, shape.max_seq_len).items():
-        if any(t.name == name for t in ex.plan.tensors):
-            ex.bind(name, tensor)
-    cache = (shape.num_pages, shape.page_size, cfg.num_kv_heads, cfg.head_dim)
-    for layer in range(cfg.num_layers):
-        for kv in ("k", "v"):
-            # noise past the current length: reading it would change the result
-            ex.bind(f"{kv}_cache.{layer}", torch.randn(cache, generator=gen).bfloat16())
-    b = shape.batch
-    pages = torch.randperm(shape.num_pages, generator=gen)[: b * shape.max_pages]
-    ex.bind("page_table", pages.reshape(b, shape.max_pages).int())
-    ex.bind("positions", torch.zeros(b, dtype=torch.int32))
-    ex.bind("prompt", torch.full((shape.steps_per_launch, b), -1, dtype=torch.int32))
-    ex.bind("tokens_out", torch.zeros((shape.steps_per_launch, b), dtype=torch.int32))
+    bind_model(ex, ex.plan, cfg, shape, weights, seed)
 
 
 def run_prompts(ex, shape: DecodeShape, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

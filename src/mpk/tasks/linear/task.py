@@ -58,7 +58,9 @@ class Linear(TaskKind):
         if prologue == "silu_mul":
             op.expect_shape("x", (batch, 2, k))
         elif math.prod(op.shape("x")[1:]) != k:
-            raise op.error(f"x {op.shape('x')} must hold K={k} values per row")
+            raise op.error(f"tensor '{op.tensors['x'].name}' (operand 'x') has shape "
+                           f"{op.shape('x')}, but weight '{op.tensors['weight'].name}' "
+                           f"{wshape} needs K={k} values per row")
         op.expect_shape("out", (batch, *wshape[:-1]))
         op.expect_dtype("x", DType.BF16)
         op.expect_dtype("weight", DType.BF16)

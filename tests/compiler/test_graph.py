@@ -1,0 +1,77 @@
+"""Graph API errors name the layer and the tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mpk
+from mpk.dtypes import DType
+from mpk.errors import GraphError
+from mpk.graph.graph import Graph
+from mpk.tensors import Role
+
+
+def _graph() -> Graph:
+    g = Graph()
+    g.add_tensor("x", (2, 64), DType.BF16, Role.IO)
+    g.add_tensor("w", (96, 64), DType.BF16, Role.WEIGHT)
+    g.add_tensor("y", (2, 96), DType.BF16, Role.ACTIVATION)
+    return g
+
+
+def test_wrong_shape_names_layer_and_tensor() -> None:
+    g = _graph()
+    g.add_tensor("w_bad", (96, 32), DType.BF16, Role.WEIGHT)
+    with pytest.raises(GraphError, match=r"layer 'proj'.*'x'.*\(2, 64\)"):
+        g.add_op("linear", "proj", (1,), {"x": "x", "weight": "w_bad", "out": "y"})
+
+
+def test_grid_must_divide_tensor() -> None:
+    with pytest.raises(GraphError, match=r"layer 'proj'.*does not divide.*'w'"):
+        _graph().add_op("linear", "proj", (5,), {"x": "x", "weight": "w", "out": "y"})
+
+
+def test_grid_axis_must_split_outputs() -> None:
+    with pytest.raises(GraphError, match="would write the same region"):
+        _graph().add_op("linear", "proj", (1, 2), {"x": "x", "weight": "w", "out": "y"})
+
+
+def test_duplicate_and_invalid_names() -> None:
+    g = _graph()
+    with pytest.raises(GraphError, match="duplicate tensor"):
+        g.add_tensor("x", (1,), DType.F32, Role.IO)
+    with pytest.raises(GraphError, match="invalid tensor name"):
+        g.add_tensor("1bad name", (1,), DType.F32, Role.IO)
+    g.add_op("linear", "proj", (4,), {"x": "x", "weight": "w", "out": "y"})
+    with pytest.raises(GraphError, match="duplicate layer"):
+        g.add_op("linear", "proj", (4,), {"x": "x", "weight": "w", "out": "y"})
+
+
+def test_unknown_kind_operand_tensor_and_attr() -> None:
+    g = _graph()
+    with pytest.raises(GraphError, match="unknown task kind"):
+        g.add_op("conv", "c", (1,), {})
+    with pytest.raises(GraphError, match="unknown operand 'bias'"):
+        g.add_op("linear", "p", (1,), {"x": "x", "weight": "w", "out": "y", "bias": "w"})
+    with pytest.raises(GraphError, match="unknown tensor 'nope'"):
+        g.add_op("linear", "p", (1,), {"x": "nope", "weight": "w", "out": "y"})
+    with pytest.raises(GraphError, match="unknown attribute"):
+        g.add_op("linear", "p", (1,), {"x": "x", "weight": "w", "out": "y"}, alpha=2)
+    with pytest.raises(GraphError, match="writes weight tensor"):
+        g.add_op("linear", "p", (1,), {"x": "x", "weight": "w", "out": "w"})
+
+
+def test_persistent_kernel_api_runs_a_layer() -> None:
+    pk = mpk.PersistentKernel(num_sms=4)
+    x = torch.randn(3, 64).bfloat16()
+    w = torch.randn(128, 64).bfloat16()
+    pk.attach("x", x, io=True)
+    pk.attach("w", w)
+    pk.new_tensor("y", (3, 128), torch.float32)
+    pk.linear("proj", grid=(8,), operands={"x": "x", "weight": "w", "out": "y"})
+    kernel = pk.compile(backend="cpu")
+    kernel()
+    assert torch.allclose(kernel["y"], x.float() @ w.float().T, rtol=1e-5, atol=1e-4)
+    with pytest.raises(AttributeError):
+        pk.no_such_kind  # noqa: B018
