@@ -46,6 +46,7 @@ class CpuExecutor:
                 buf = torch.empty(t.shape, dtype=DType(t.dtype).torch)
                 self.tensors[t.name] = poison_(buf) if poison else buf.zero_()
         self._views: dict[int, dict[str, torch.Tensor]] | None = None
+        self._upcast: dict[tuple, torch.Tensor] = {}
         self._kinds = [get_kind(k) for k in plan.kinds]
         self._op_views = [plan.op_view(i) for i in range(len(plan.ops))]
 
@@ -55,7 +56,15 @@ class CpuExecutor:
         if spec.offset >= 0:
             raise MpkError(f"tensor {name!r} is an activation in the plan's arena; use write()")
         _check_like(name, tensor, tuple(spec.shape), DType(spec.dtype).torch)
-        self.tensors[name] = tensor if tensor.device.type == "cpu" else tensor.cpu()
+        tensor = tensor if tensor.device.type == "cpu" else tensor.cpu()
+        if spec.role == "weight" and tensor.dtype == torch.bfloat16:
+            # Weights are read-only: keep an exact fp32 copy (shared by tied names) so each
+            # tile's fp32 math does not convert its weights again.
+            key = (tensor.data_ptr(), tuple(tensor.shape))
+            if key not in self._upcast:
+                self._upcast[key] = tensor.float()
+            tensor = self._upcast[key]
+        self.tensors[name] = tensor
         self._views = None
 
     def write(self, name: str, value: torch.Tensor) -> None:
@@ -74,12 +83,19 @@ class CpuExecutor:
         if missing:
             raise MpkError(f"bind these tensors before running: {', '.join(missing)}")
         views = self._task_views()
-        for rec, step in self._order(num_steps):
-            task = int(rec[record.TASK])
-            op_index = int(rec[record.OP])
-            point = tuple(int(x) for x in rec[record.POINT: record.POINT + 3])
-            tile = Tile(self._op_views[op_index], point, views[task], step)  # type: ignore[arg-type]
-            self._kinds[int(rec[record.KIND])].reference(tile)
+        threads = torch.get_num_threads()
+        # Tiles are small: intra-op threads cost more than they give (and spin badly when the
+        # machine is busy), so the interpreter runs single-threaded.
+        torch.set_num_threads(1)
+        try:
+            for rec, step in self._order(num_steps):
+                task = int(rec[record.TASK])
+                point = tuple(int(x) for x in rec[record.POINT: record.POINT + 3])
+                tile = Tile(self._op_views[int(rec[record.OP])], point,  # type: ignore[arg-type]
+                            views[task], step)
+                self._kinds[int(rec[record.KIND])].reference(tile)
+        finally:
+            torch.set_num_threads(threads)
         self.step_begin += num_steps
 
     # ---- internals -------------------------------------------------------------------------
