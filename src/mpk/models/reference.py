@@ -1,0 +1,188 @@
+"""A plain PyTorch reference model of each supported architecture (Qwen3, Llama 3).
+
+This is the first correctness gate: it is checked against Hugging Face transformers and then
+serves as the oracle for the interpreter and the GPU. It is written from the architecture
+definition only and deliberately imports nothing from mpk.graph, mpk.compiler or mpk.tasks, so a
+bug there cannot hide in both sides of a comparison.
+
+Numerics: weights stay bf16, math runs in fp32. With activation_dtype=bfloat16 values are
+rounded to bf16 wherever a bf16 Hugging Face model stores a tensor (after each linear, RMSNorm,
+residual add, SiLU and SiLU*up, q/k norm, RoPE, the attention output); attention scores and
+softmax stay fp32, RoPE uses the f32 table of rope.py (HF rounds cos/sin to bf16) and the logits
+stay fp32 unless bf16_logits=True (HF rounds them), as the megakernel does: bf16 logits would
+create argmax ties the f32 logits of the megakernel do not have. With activation_dtype=float32
+nothing is rounded. hf_exact=True (bf16 only) adds the remaining roundings of transformers' eager
+bf16 path (bf16 cos/sin, each RoPE product, scores, scaled scores, probabilities, bf16 logits):
+the tests use it to show every other rounding point matches Hugging Face bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mpk.errors import UnsupportedError
+from mpk.models.config import ModelConfig
+from mpk.models.rope import rope_table
+from mpk.models.weights import check_weights
+
+
+class ReferenceModel:
+    """Decoder LLM with an internal KV cache; `forward` runs a chunk of positions."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_seq: int,
+                 activation_dtype: torch.dtype = torch.bfloat16,
+                 bf16_logits: bool = False, hf_exact: bool = False) -> None:
+        if activation_dtype not in (torch.bfloat16, torch.float32):
+            raise UnsupportedError(f"activation_dtype must be bfloat16 or float32, "
+                                   f"got {activation_dtype}")
+        check_weights(cfg, weights, "the weights given to ReferenceModel")
+        self.cfg = cfg
+        self.max_seq = max_seq
+        self.activation_dtype = activation_dtype
+        self._round_bf16 = activation_dtype == torch.bfloat16
+        if hf_exact and not self._round_bf16:
+            raise UnsupportedError("hf_exact needs activation_dtype=torch.bfloat16")
+        self.hf_exact = hf_exact
+        self.bf16_logits = bf16_logits or hf_exact
+        self.w = {k: v.to(torch.bfloat16) for k, v in weights.items()}
+        self.device = self.w["model.embed_tokens.weight"].device
+        table = rope_table(cfg, max_seq).to(self.device)
+        half = cfg.head_dim // 2
+        # Full-width cos/sin ([max_seq, D]) for rotate-half: cat(cos, cos), cat(sin, sin).
+        self._cos = torch.cat([table[:, :half], table[:, :half]], dim=1)
+        self._sin = torch.cat([table[:, half:], table[:, half:]], dim=1)
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
+        self._batch = 0
+        self._length = 0
+
+    def reset(self) -> None:
+        """Forget the KV cache (the next forward must start at position 0)."""
+        self._k, self._v, self._batch, self._length = [], [], 0, 0
+
+    # -- building blocks ---------------------------------------------------------------------
+
+    def _round(self, x: torch.Tensor) -> torch.Tensor:
+        """The value a bf16 store would hold (identity in fp32 mode)."""
+        return x.to(torch.bfloat16).float() if self._round_bf16 else x
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return self._round(x @ self.w[name].float().t())
+
+    def _rmsnorm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        # HF: normalise in fp32, cast to the activation dtype, multiply by the weight.
+        y = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.cfg.rms_eps)
+        return self._round(self.w[name].float() * self._round(y))
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE on x [B, heads, T, D] at absolute positions pos [T]."""
+        cos, sin = self._cos[pos], self._sin[pos]
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        if self.hf_exact:
+            cos, sin = self._round(cos), self._round(sin)
+            return self._round(self._round(x * cos) + self._round(rotated * sin))
+        return self._round(x * cos + rotated * sin)
+
+    def _attention(self, h: torch.Tensor, layer: int, start: int) -> torch.Tensor:
+        cfg, p = self.cfg, f"model.layers.{layer}.self_attn."
+        b, t, _ = h.shape
+        d = cfg.head_dim
+        q = self._linear(h, p + "q_proj.weight").view(b, t, cfg.num_heads, d)
+        k = self._linear(h, p + "k_proj.weight").view(b, t, cfg.num_kv_heads, d)
+        v = self._linear(h, p + "v_proj.weight").view(b, t, cfg.num_kv_heads, d)
+        if cfg.qk_norm:
+            q = self._rmsnorm(q, p + "q_norm.weight")
+            k = self._rmsnorm(k, p + "k_norm.weight")
+        pos = torch.arange(start, start + t, device=h.device)
+        q = self._rope(q.transpose(1, 2), pos)                 # [B, H, T, D]
+        k = self._rope(k.transpose(1, 2), pos)                 # [B, KVH, T, D]
+        self._k[layer][:, :, start:start + t] = k
+        self._v[layer][:, :, start:start + t] = v.transpose(1, 2)
+        end = start + t
+        keys = self._k[layer][:, :, :end].repeat_interleave(cfg.group, dim=1)   # [B, H, L, D]
+        values = self._v[layer][:, :, :end].repeat_interleave(cfg.group, dim=1)
+        exact = self._round if self.hf_exact else (lambda x: x)
+        scores = exact(exact(q @ keys.transpose(2, 3)) * (d ** -0.5))     # [B, H, T, L]
+        causal = torch.arange(end, device=h.device)[None, :] > pos[:, None]     # [T, L]
+        scores = scores.masked_fill(causal, float("-inf"))
+        out = self._round(exact(torch.softmax(scores, dim=-1)) @ values)    # [B, H, T, D]
+        out = out.transpose(1, 2).reshape(b, t, cfg.num_heads * d)
+        return self._linear(out, p + "o_proj.weight")
+
+    def _mlp(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        p = f"model.layers.{layer}.mlp."
+        gate = self._linear(h, p + "gate_proj.weight")
+        up = self._linear(h, p + "up_proj.weight")
+        act = self._round(self._round(torch.nn.functional.silu(gate)) * up)
+        return self._linear(act, p + "down_proj.weight")
+
+    # -- public API --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Logits float32 [B, T, V] for tokens [B, T] at positions start_pos .. start_pos+T-1.
+
+        Positions before start_pos must already be in the cache (start_pos == number of
+        positions processed since the last reset); start_pos == 0 starts a fresh sequence."""
+        cfg = self.cfg
+        if tokens.dim() != 2 or tokens.shape[1] == 0:
+            raise ValueError(f"tokens must be [B, T] with T >= 1, got {list(tokens.shape)}")
+        b, t = tokens.shape
+        if start_pos + t > self.max_seq:
+            raise ValueError(f"positions {start_pos}..{start_pos + t - 1} exceed "
+                             f"max_seq {self.max_seq}")
+        if start_pos == 0:
+            self._allocate(b)
+        elif start_pos != self._length or b != self._batch:
+            raise ValueError(f"forward at start_pos {start_pos} with batch {b}, but the cache "
+                             f"holds {self._length} positions of batch {self._batch}")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size:
+            raise ValueError(f"token ids must be in [0, {cfg.vocab_size}), got "
+                             f"[{int(tokens.min())}, {int(tokens.max())}]")
+        h = self.w["model.embed_tokens.weight"][tokens.to(self.device)].float()
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            h = self._round(h + self._attention(
+                self._rmsnorm(h, p + "input_layernorm.weight"), i, start_pos))
+            h = self._round(h + self._mlp(
+                self._rmsnorm(h, p + "post_attention_layernorm.weight"), i))
+        h = self._rmsnorm(h, "model.norm.weight")
+        head = "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
+        self._length = start_pos + t
+        logits = h @ self.w[head].float().t()
+        return logits.to(torch.bfloat16).float() if self.bf16_logits else logits
+
+    __call__ = forward
+
+    @torch.no_grad()
+    def generate_greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy (argmax, ties to the lowest id) continuation of each prompt: returns the
+        max_new_tokens NEW tokens per prompt (no stop on eos). Prompts run one at a time, so
+        different lengths need no padding; the cache is reset before each."""
+        results: list[list[int]] = []
+        for prompt in prompts:
+            if not prompt:
+                raise ValueError("generate_greedy needs non-empty prompts")
+            if len(prompt) + max_new_tokens - 1 > self.max_seq:
+                raise ValueError(f"prompt of {len(prompt)} + {max_new_tokens} new tokens "
+                                 f"exceeds max_seq {self.max_seq}")
+            self.reset()
+            new: list[int] = []
+            logits = self.forward(torch.tensor([prompt], device=self.device), 0)
+            pos = len(prompt)
+            for step in range(max_new_tokens):
+                token = int(torch.argmax(logits[0, -1]))
+                new.append(token)
+                if step + 1 < max_new_tokens:
+                    logits = self.forward(torch.tensor([[token]], device=self.device), pos)
+                    pos += 1
+            results.append(new)
+        return results
+
+    def _allocate(self, batch: int) -> None:
+        cfg = self.cfg
+        shape = (batch, cfg.num_kv_heads, self.max_seq, cfg.head_dim)
+        self._k = [torch.zeros(shape, device=self.device) for _ in range(cfg.num_layers)]
+        self._v = [torch.zeros(shape, device=self.device) for _ in range(cfg.num_layers)]
+        self._batch, self._length = batch, 0
