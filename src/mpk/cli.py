@@ -1,0 +1,348 @@
+"""The `mpk` command line: generate text, inspect a compiled plan, check a backend.
+
+Errors that MPK expects (MpkError, missing files) print one line to stderr and exit with 2;
+`-v` adds the traceback. Human output goes to stdout; `--json` prints one JSON object there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+from mpk.errors import MpkError
+
+DEFAULT_PROMPT_IDS = (1, 2, 3, 4)
+DEFAULT_PROMPT_TEXT = "The capital of France is"
+EXIT_USAGE = 2
+
+log = logging.getLogger("mpk.cli")
+
+
+# ---- argument parsing ------------------------------------------------------------------------
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("expected at least one token id")
+    return ids
+
+
+def _layer_range(text: str) -> range:
+    try:
+        lo, _, hi = text.partition("-")
+        first, last = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a layer or a range like 0-1, got {text!r}") from None
+    if first < 0 or last < first:
+        raise argparse.ArgumentTypeError(f"bad layer range {text!r}")
+    return range(first, last + 1)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _add_model_args(p: argparse.ArgumentParser, checkpoint: bool = True) -> None:
+    from mpk.models.config import PRESETS
+
+    presets = ", ".join(PRESETS)
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--model", metavar="PRESET",
+                       help=f"a model preset, run with seeded random weights: {presets}")
+    if checkpoint:
+        group.add_argument("--checkpoint", metavar="DIR",
+                           help="a Hugging Face checkpoint folder (config.json + safetensors)")
+
+
+def _add_backend_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=("cpu", "cuda"), default=None,
+                   help="where to run: the CPU interpreter or the CUDA megakernel "
+                        "(default: cuda when a GPU is visible, else cpu)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mpk.models.config import PRESETS
+
+    presets = ", ".join(PRESETS)
+    parser = argparse.ArgumentParser(
+        prog="mpk", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="MPK compiles an LLM's decode step into one persistent CUDA megakernel; "
+                    "a CPU interpreter runs the same compiled plan.",
+        epilog=f"model presets: {presets}\n\nrun `mpk COMMAND --help` for a command's options.")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="log progress (-vv: debug); show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def command(name: str, summary: str, examples: str,
+                run: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=summary, description=summary,
+                           epilog="examples:\n" + examples,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.set_defaults(run=run)
+        return p
+
+    g = command("generate", "Greedy-generate tokens with a model.", (
+        "  mpk generate --model qwen3-0.6b --backend cpu --max-new-tokens 8\n"
+        "  mpk generate --model tiny-llama --prompt-ids 5,6,7 --prompt-ids 9 --json\n"
+        "  mpk generate --checkpoint ~/models/Qwen3-0.6B --prompt 'The capital of France is'"),
+        _cmd_generate)
+    _add_model_args(g)
+    prompt = g.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", metavar="TEXT", action="append",
+                        help="prompt text (needs a checkpoint with tokenizer.json); repeat for a "
+                             "batch")
+    prompt.add_argument("--prompt-ids", metavar="IDS", type=_token_ids, action="append",
+                        help="prompt token ids, e.g. 1,2,3; repeat for a batch "
+                             f"(default: {','.join(map(str, DEFAULT_PROMPT_IDS))})")
+    g.add_argument("--max-new-tokens", type=int, default=8, metavar="N",
+                   help="tokens to generate per prompt (default: 8)")
+    _add_backend_arg(g)
+    g.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS ids")
+    g.add_argument("--num-sms", type=_positive, default=None, metavar="N",
+                   help="SMs (persistent CTAs) to compile for (default: 132)")
+    g.add_argument("--steps-per-launch", type=_positive, default=16, metavar="N",
+                   help="decode steps per kernel launch (default: 16)")
+    g.add_argument("--max-seq-len", type=_positive, default=None, metavar="N",
+                   help="KV-cache length per sequence (default: what the request needs)")
+    g.add_argument("--json", action="store_true", help="print one JSON object, no progress bars")
+
+    p = command("plan", "Compile a model's decode step and show the plan's statistics.", (
+        "  mpk plan --model tiny-llama\n"
+        "  mpk plan --model qwen3-8b --num-sms 132 --batch 4\n"
+        "  mpk plan --model llama-3.2-1b --json"), _cmd_plan)
+    _add_model_args(p)
+    p.add_argument("--num-sms", type=_positive, default=132, metavar="N",
+                   help="SMs to schedule on (default: 132)")
+    p.add_argument("--batch", type=_positive, default=1, metavar="B",
+                   help="batch size (default: 1)")
+    p.add_argument("--steps-per-launch", type=_positive, default=16, metavar="N",
+                   help="decode steps per launch (default: 16)")
+    p.add_argument("--max-seq-len", type=_positive, default=4096, metavar="N",
+                   help="KV-cache length per sequence (default: 4096)")
+    p.add_argument("--json", action="store_true", help="print the statistics as one JSON object")
+
+    c = command("check", "Compare a backend's buffers with the reference, layer by layer.", (
+        "  mpk check --model tiny-qwen3 --layers 0-1 --backend cpu\n"
+        "  mpk check --model qwen3-0.6b --layers 0-3 --backend cuda --seed 1"), _cmd_check)
+    _add_model_args(c, checkpoint=False)
+    c.add_argument("--layers", type=_layer_range, default=range(0, 1), metavar="A-B",
+                   help="layers to build and compare, e.g. 0-1 (default: 0)")
+    _add_backend_arg(c)
+    c.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    c.add_argument("--json", action="store_true", help="print the rows as one JSON object")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.run(args)
+    except (MpkError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+        if args.verbose:
+            raise
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        more = f" ({len(lines) - 1} more lines with -v)" if len(lines) > 1 else ""
+        print(f"mpk: error: {lines[0]}{more}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("mpk: interrupted", file=sys.stderr)
+        return 130
+
+
+# ---- shared helpers --------------------------------------------------------------------------
+def _backend(args: argparse.Namespace) -> str:
+    import torch
+
+    from mpk.engine.engine import check_backend
+
+    backend = args.backend or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_backend(backend)
+    return backend
+
+
+def _console(stderr: bool = False) -> Any:
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+def _note(message: str) -> None:
+    print(f"mpk: {message}", file=sys.stderr)
+
+
+def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for i, name in enumerate(columns):
+        table.add_column(name, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*(str(x) for x in row))
+    return table
+
+
+# ---- mpk generate ----------------------------------------------------------------------------
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from mpk.engine import Engine
+    from mpk.models import get_preset, load_checkpoint, load_tokenizer, random_weights
+
+    backend = _backend(args)
+    tokenizer = None
+    if args.checkpoint:
+        cfg, weights = load_checkpoint(args.checkpoint)
+        tokenizer = load_tokenizer(args.checkpoint)
+        model = cfg.name or args.checkpoint
+    else:
+        cfg = get_preset(args.model)
+        model = args.model
+        _note(f"no --checkpoint given: using preset {model!r} with random weights (seed "
+              f"{args.seed}); the generated ids carry no meaning")
+        weights = random_weights(cfg, args.seed, "cuda" if backend == "cuda" else "cpu")
+    if args.prompt and tokenizer is None:
+        where = (f"{args.checkpoint} has no tokenizer.json" if args.checkpoint
+                 else "presets have none")
+        raise MpkError(f"--prompt needs a tokenizer ({where}); give token ids with --prompt-ids "
+                       f"1,2,3 or a --checkpoint folder holding tokenizer.json")
+    if args.prompt:
+        prompts = [tokenizer.encode(text).ids for text in args.prompt]
+    elif args.prompt_ids:
+        prompts = args.prompt_ids
+    elif tokenizer is not None:
+        prompts = [tokenizer.encode(DEFAULT_PROMPT_TEXT).ids]
+    else:
+        prompts = [list(DEFAULT_PROMPT_IDS)]
+    # Default KV length: what this request needs (the engine rounds it up to whole pages).
+    need = max(len(p) for p in prompts) + max(args.max_new_tokens, 1) - 1
+    engine = Engine(cfg, weights, backend=backend, num_sms=args.num_sms,
+                    max_seq_len=args.max_seq_len or need, steps_per_launch=args.steps_per_launch,
+                    progress=False if args.json else None)
+    eos = () if args.ignore_eos else cfg.eos_token_ids
+    result = engine.generate(prompts, args.max_new_tokens, eos_token_ids=eos)
+    texts = [tokenizer.decode(ids) for ids in result.token_ids] if tokenizer else None
+    if args.json:
+        out = {"model": model, "backend": backend, "random_weights": not args.checkpoint,
+               "seed": None if args.checkpoint else args.seed, "prompt_ids": prompts,
+               "token_ids": result.token_ids,
+               "timings": {k: round(float(v), 6) for k, v in result.timings.items()}}
+        if texts is not None:
+            out["text"] = texts
+        print(json.dumps(out))
+        return 0
+    for i, (prompt, ids) in enumerate(zip(prompts, result.token_ids, strict=True)):
+        print(f"prompt {i}: {prompt} -> {ids}")
+        if texts is not None:
+            print(f"  {tokenizer.decode(prompt)!r} -> {texts[i]!r}")
+    t = result.timings
+    print(f"{backend}: compile {t['compile_s']:.2f} s, load {t['load_s']:.2f} s, "
+          f"{int(t['steps'])} steps in {int(t['launches'])} launches: prefill "
+          f"{t['prefill_s'] * 1e3:.1f} ms, decode {t['decode_s'] * 1e3:.1f} ms "
+          f"({t['ms_per_token']:.2f} ms/token)")
+    return 0
+
+
+# ---- mpk plan --------------------------------------------------------------------------------
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from mpk.compiler.lower import compile_graph
+    from mpk.engine import EngineConfig
+    from mpk.models import get_preset, load_config
+    from mpk.models.builder import build_graph
+
+    cfg = load_config(args.checkpoint) if args.checkpoint else get_preset(args.model)
+    options = EngineConfig(num_sms=args.num_sms, steps_per_launch=args.steps_per_launch,
+                           max_seq_len=min(args.max_seq_len, cfg.max_position))
+    shape = options.decode_shape(args.batch)
+    start = time.perf_counter()
+    quiet = args.json or not sys.stderr.isatty()
+    with nullcontext() if quiet else _console(stderr=True).status(f"compiling {cfg.name}"):
+        plan = compile_graph(build_graph(cfg, shape, num_sms=args.num_sms), num_sms=args.num_sms)
+    compile_s = time.perf_counter() - start
+    meta = plan.meta
+    summary = {"model": cfg.name, "num_sms": plan.num_sms, "batch": args.batch,
+               "steps_per_launch": args.steps_per_launch, "max_seq_len": options.max_seq_len,
+               "num_ops": len(plan.ops), "num_tasks": plan.num_tasks,
+               "num_counters": plan.num_counters, "arena_bytes": plan.arena_bytes,
+               "compile_s": round(compile_s, 3), "digest": plan.digest()}
+    if args.json:
+        print(json.dumps({**summary, "meta": meta}, default=str))
+        return 0
+    console = _console()
+    console.print(_table(f"plan of {cfg.name}", ("", "value"), list(summary.items())))
+    tasks = meta.get("tasks_per_kind", {})
+    ops = meta.get("ops_per_kind", {})
+    console.print(_table("ops per kind", ("kind", "ops", "tasks"),
+                         [(k, ops.get(k, 0), tasks.get(k, 0))
+                          for k in sorted(set(ops) | set(tasks))]))
+    waits = meta.get("waits_histogram", {})
+    console.print(_table("waits per task", ("waits", "tasks"),
+                         sorted(waits.items(), key=lambda kv: int(kv[0]))))
+    busy = meta.get("sm_busy_us", {})
+    if busy:
+        spread = busy["max"] / busy["mean"] if busy["mean"] else float("nan")
+        console.print(_table("predicted busy time per SM (us per step)",
+                             ("min", "mean", "max", "max / mean"),
+                             [(f"{busy['min']:.2f}", f"{busy['mean']:.2f}", f"{busy['max']:.2f}",
+                               f"{spread:.2f}")]))
+    rows = [("predicted time per token", f"{meta.get('predicted_us_per_step', float('nan'))} us")]
+    if "floor_us_per_step" in meta:
+        rows.append(("weight-read floor", f"{meta['floor_us_per_step']} us"))
+        rows.append(("weight bytes per token", f"{meta.get('weight_bytes_per_step', 0):,}"))
+    console.print(_table("prediction (batch step)", ("", "value"), rows))
+    return 0
+
+
+# ---- mpk check -------------------------------------------------------------------------------
+def _cmd_check(args: argparse.Namespace) -> int:
+    from mpk.check import run_check
+    from mpk.models import get_preset
+
+    backend = _backend(args)
+    cfg = get_preset(args.model)
+    if args.layers.stop > cfg.num_layers:
+        raise MpkError(f"--layers {args.layers.start}-{args.layers.stop - 1} is out of range: "
+                       f"{cfg.name} has layers 0-{cfg.num_layers - 1}")
+    rows = [_check_row(r) for r in run_check(cfg, layers=args.layers, backend=backend,
+                                             seed=args.seed)]
+    failed = [r for r in rows if not r["passed"]]
+    if args.json:
+        print(json.dumps({"model": cfg.name, "backend": backend, "seed": args.seed,
+                          "layers": [args.layers.start, args.layers.stop - 1], "rows": rows,
+                          "passed": not failed}))
+    else:
+        _console().print(_table(
+            f"{cfg.name} layers {args.layers.start}-{args.layers.stop - 1}: {backend} vs reference",
+            ("tensor", "rel err", "tolerance", "ok"),
+            [(r["tensor"], f"{r['rel_err']:.2e}", f"{r['tolerance']:.0e}",
+              "yes" if r["passed"] else "NO") for r in rows]))
+        print(f"{len(rows) - len(failed)} of {len(rows)} tensors within tolerance")
+    return 1 if failed else 0
+
+
+def _check_row(row: Any) -> dict[str, Any]:
+    """A run_check row (mpk.check.CheckRow, or a plain tuple in the same order) as a dict."""
+    keys = ("tensor", "rel_err", "tolerance", "passed")
+    values = [getattr(row, k) for k in keys] if hasattr(row, "rel_err") else list(row)
+    return {"tensor": str(values[0]), "rel_err": float(values[1]), "tolerance": float(values[2]),
+            "passed": bool(values[3])}
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""Engine: a model's weights plus one compiled decode Plan per batch size, and greedy generation.
+
+The engine owns what lies outside the megakernel: request validation, KV-cache pages, the page
+table, the host loop over launches (mpk.engine.decode) and stop rules. It talks to a backend only
+through the Executor protocol, so the CPU interpreter and the CUDA megakernel run the same loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from mpk.backends.base import Executor, create_executor
+from mpk.compiler.lower import compile_graph
+from mpk.compiler.plan import Plan
+from mpk.dtypes import DType
+from mpk.engine.decode import PAGE_TABLE, GenerationResult, decode, steps_needed, validate_request
+from mpk.engine.kv_cache import KvCache, KvShape
+from mpk.errors import MpkError, UnsupportedError
+from mpk.models.builder import DecodeShape, build_graph, graph_weights
+from mpk.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("cpu", "cuda")
+DEFAULT_NUM_SMS = 132  # H100 / H200; the CPU interpreter runs any count, so it uses the same
+DEFAULT_MAX_SEQ_LEN = 2048
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine compiles and runs a model (everything but the model itself)."""
+
+    backend: str = "cpu"
+    num_sms: int = DEFAULT_NUM_SMS
+    page_size: int = 16
+    max_seq_len: int = DEFAULT_MAX_SEQ_LEN
+    steps_per_launch: int = 16
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise UnsupportedError(f"unknown backend {self.backend!r}: use one of {BACKENDS}")
+        for name in ("num_sms", "page_size", "max_seq_len", "steps_per_launch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise MpkError(f"engine option {name} must be a positive integer, got {value!r}")
+
+    @property
+    def max_pages(self) -> int:
+        """Pages one row needs for max_seq_len positions (the page table's width)."""
+        return -(-self.max_seq_len // self.page_size)
+
+    def decode_shape(self, batch: int) -> DecodeShape:
+        """The compile-time sizes for `batch` rows: every row may fill its whole page table."""
+        return DecodeShape(batch=batch, steps_per_launch=self.steps_per_launch,
+                           page_size=self.page_size, max_pages=self.max_pages,
+                           num_pages=batch * self.max_pages)
+
+
+@dataclass
+class _Runner:
+    """Everything compiled and allocated for one batch size."""
+
+    plan: Plan
+    executor: Executor
+    cache: KvCache
+
+
+class Engine:
+    """Greedy generation with one persistent megakernel (or its CPU interpreter).
+
+    `hf_weights` are the model's weights under Hugging Face names (see mpk.models.weights). The
+    engine prepares the graph's weights (fused / permuted layouts, the RoPE table) once, then
+    compiles a Plan the first time it sees each batch size and keeps it.
+    """
+
+    def __init__(self, cfg: ModelConfig, hf_weights: Mapping[str, torch.Tensor],
+                 backend: str = "cpu", num_sms: int | None = None, page_size: int = 16,
+                 max_seq_len: int | None = None, steps_per_launch: int = 16,
+                 device: str | torch.device | None = None, progress: bool | None = None) -> None:
+        if max_seq_len is None:
+            max_seq_len = min(DEFAULT_MAX_SEQ_LEN, cfg.max_position)
+        self.cfg = cfg
+        self.options = EngineConfig(backend=backend, num_sms=num_sms or DEFAULT_NUM_SMS,
+                                    page_size=page_size, max_seq_len=max_seq_len,
+                                    steps_per_launch=steps_per_launch)
+        if max_seq_len > cfg.max_position:
+            raise MpkError(f"max_seq_len {max_seq_len} exceeds the model's max_position "
+                           f"{cfg.max_position}")
+        self.device = check_backend(backend, device)
+        # None: show progress bars only when stderr is a terminal.
+        self.progress = sys.stderr.isatty() if progress is None else progress
+        self._runners: dict[int, _Runner] = {}
+        start = time.perf_counter()
+        # The RoPE table covers every position a full page table can reach.
+        self._weights = _graph_weights(cfg, hf_weights, self.options.max_pages * page_size,
+                                       self.device)
+        self._unreported_load_s = time.perf_counter() - start
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.options.max_seq_len
+
+    @property
+    def plans(self) -> dict[int, Plan]:
+        """The compiled plans, by batch size."""
+        return {batch: runner.plan for batch, runner in self._runners.items()}
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 eos_token_ids: Iterable[int] = ()) -> GenerationResult:
+        """Greedy continuation of each prompt: up to max_new_tokens new ids per prompt, cut
+        after the first EOS id (which is kept). Prompts of different lengths share one batch."""
+        opts = self.options
+        rows = validate_request(prompts, max_new_tokens, self.cfg.vocab_size, opts.max_seq_len)
+        timings = {"compile_s": 0.0, "load_s": self._unreported_load_s}
+        self._unreported_load_s = 0.0
+        if max_new_tokens == 0:
+            return GenerationResult([[] for _ in rows], {**timings, "prefill_s": 0.0,
+                                                         "decode_s": 0.0, "ms_per_token": 0.0,
+                                                         "steps": 0, "launches": 0})
+        runner = self._runner(len(rows), timings)
+        total = steps_needed(rows, max_new_tokens)
+        pool = runner.cache.pool
+        pages = []
+        try:
+            for _ in rows:
+                pages.append(pool.allocate(total))
+            runner.executor.write(PAGE_TABLE, runner.cache.page_table(pages, opts.max_pages))
+            with tqdm(total=total, desc="generating", unit="step", disable=not self.progress,
+                      leave=False) as bar:
+                token_ids, stats = decode(runner.executor, rows, max_new_tokens, eos_token_ids,
+                                          opts.steps_per_launch, on_steps=bar.update)
+        finally:
+            for row_pages in pages:
+                pool.free(row_pages)
+        per_step = stats.decode_s / stats.decode_steps if stats.decode_steps else (
+            (stats.prefill_s + stats.decode_s) / max(stats.steps, 1))
+        timings.update(prefill_s=stats.prefill_s, decode_s=stats.decode_s,
+                       ms_per_token=per_step * 1e3, steps=stats.steps, launches=stats.launches)
+        return GenerationResult(token_ids, timings)
+
+    # ---- one compiled plan per batch size ----------------------------------------------------
+    def _runner(self, batch: int, timings: dict[str, float]) -> _Runner:
+        if batch in self._runners:
+            return self._runners[batch]
+        opts = self.options
+        shape = opts.decode_shape(batch)
+        with self._status(f"compiling {self.cfg.name or self.cfg.arch} for batch {batch}"):
+            start = time.perf_counter()
+            graph = build_graph(self.cfg, shape, num_sms=opts.num_sms)
+            plan = compile_graph(graph, num_sms=opts.num_sms)
+            timings["compile_s"] += time.perf_counter() - start
+        log.info("compiled batch %d: %d tasks in %.2f s", batch, plan.num_tasks,
+                 timings["compile_s"])
+        start = time.perf_counter()
+        # The CUDA executor runs on the engine's device; the interpreter always on the CPU.
+        device_opt = {"device": self.device} if opts.backend == "cuda" else {}
+        executor = create_executor(plan, opts.backend, **device_opt)
+        cache = KvCache(KvShape(self.cfg.num_layers, shape.num_pages, opts.page_size,
+                                self.cfg.num_kv_heads, self.cfg.head_dim), device=self.device)
+        _bind_all(plan, executor, self._weights, cache, self.device)
+        timings["load_s"] += time.perf_counter() - start
+        self._runners[batch] = _Runner(plan, executor, cache)
+        return self._runners[batch]
+
+    @contextmanager
+    def _status(self, message: str) -> Iterator[None]:
+        """A spinner on stderr while a slow step runs (only when progress is shown)."""
+        if not self.progress:
+            yield
+            return
+        from rich.console import Console
+
+        with Console(stderr=True).status(message):
+            yield
+
+
+def check_backend(backend: str, device: str | torch.device | None = None) -> torch.device:
+    """The device `backend` runs on (default: its natural one), or a clear error."""
+    if backend not in BACKENDS:
+        raise UnsupportedError(f"unknown backend {backend!r}: use one of {BACKENDS}")
+    device = torch.device(device or ("cuda" if backend == "cuda" else "cpu"))
+    if backend == "cuda":
+        if not torch.cuda.is_available():
+            raise UnsupportedError("backend 'cuda' needs a CUDA GPU, but torch sees none "
+                                   "(torch.cuda.is_available() is False); use backend 'cpu'")
+        if device.type != "cuda":
+            raise MpkError(f"backend 'cuda' runs on a CUDA device, not {device}")
+    elif device.type != "cpu":
+        raise MpkError(f"backend 'cpu' runs on the CPU, not {device}")
+    return device
+
+
+def _graph_weights(cfg: ModelConfig, hf_weights: Mapping[str, torch.Tensor], max_seq_len: int,
+                   device: torch.device) -> dict[str, torch.Tensor]:
+    """The tensors the graph binds by name (fused / permuted weights, RoPE table) on `device`."""
+    out = graph_weights(cfg, dict(hf_weights), max_seq_len)
+    return {name: t.to(device).contiguous() for name, t in out.items()}
+
+
+def _bind_all(plan: Plan, executor: Executor, weights: Mapping[str, torch.Tensor],
+              cache: KvCache, device: torch.device) -> None:
+    """Bind every attached tensor of the plan: weights, KV caches and engine-owned IO buffers."""
+    for t in plan.tensors:
+        if t.role == "weight":
+            if t.name not in weights:
+                raise MpkError(f"the plan needs weight {t.name!r} {list(t.shape)}, which the "
+                               f"model's weights do not provide")
+            executor.bind(t.name, weights[t.name])
+        elif t.role == "io":
+            tensor = cache.tensors.get(t.name)
+            if tensor is None:  # prompt, positions, page_table, tokens_out, ...
+                tensor = torch.zeros(t.shape, dtype=DType(t.dtype).torch, device=device)
+            executor.bind(t.name, tensor)
+

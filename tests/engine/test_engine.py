@@ -1,0 +1,92 @@
+"""Engine on the CPU interpreter: greedy tokens equal the PyTorch reference model's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpk.engine import Engine, InvalidRequestError
+from mpk.errors import MpkError, UnsupportedError
+from mpk.models import get_preset, random_weights
+from mpk.models.reference import ReferenceModel
+
+PROMPTS = [[3, 1, 4, 1, 5], [9], [2, 7, 1]]
+NEW = 12
+MAX_SEQ = 32
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-llama"])
+def model(request: pytest.FixtureRequest) -> tuple:
+    cfg = get_preset(request.param)
+    weights = random_weights(cfg, seed=0)
+    expected = ReferenceModel(cfg, weights, max_seq=MAX_SEQ).generate_greedy(PROMPTS, NEW)
+    return cfg, weights, expected
+
+
+@pytest.mark.parametrize("steps_per_launch", [4, 16])
+def test_batch_of_different_lengths_matches_reference(model: tuple, steps_per_launch: int) -> None:
+    cfg, weights, expected = model
+    engine = Engine(cfg, weights, backend="cpu", max_seq_len=MAX_SEQ,
+                    steps_per_launch=steps_per_launch)
+    result = engine.generate(PROMPTS, NEW)
+    assert result.token_ids == expected
+    steps = max(len(p) for p in PROMPTS) + NEW - 1
+    assert result.timings["steps"] == steps
+    assert result.timings["launches"] == -(-steps // steps_per_launch)
+    for key in ("compile_s", "load_s", "prefill_s", "decode_s", "ms_per_token"):
+        assert result.timings[key] >= 0
+
+
+def test_eos_truncates_each_row_after_its_first_eos(model: tuple) -> None:
+    cfg, weights, expected = model
+    eos = expected[0][3]
+    engine = Engine(cfg, weights, backend="cpu", max_seq_len=MAX_SEQ, steps_per_launch=4)
+    result = engine.generate(PROMPTS, NEW, eos_token_ids=[eos])
+    cut = [row[: row.index(eos) + 1] if eos in row else row for row in expected]
+    assert result.token_ids == cut
+    assert len(result.token_ids[0]) <= 4
+
+
+def test_plans_are_cached_per_batch_size_and_reruns_agree() -> None:
+    cfg = get_preset("tiny-qwen3")
+    weights = random_weights(cfg, seed=1)
+    engine = Engine(cfg, weights, backend="cpu", max_seq_len=MAX_SEQ, steps_per_launch=8)
+    first = engine.generate([[5, 6]], 6)
+    assert first.timings["compile_s"] > 0
+    again = engine.generate([[5, 6]], 6)
+    assert again.token_ids == first.token_ids  # stale KV data from the first run is not read
+    assert again.timings["compile_s"] == 0 and again.timings["load_s"] == 0
+    engine.generate([[5, 6], [7]], 3)
+    assert sorted(engine.plans) == [1, 2]
+    expected = ReferenceModel(cfg, weights, max_seq=MAX_SEQ).generate_greedy([[5, 6]], 6)
+    assert first.token_ids == expected
+
+
+@pytest.mark.parametrize(("prompts", "max_new", "message"), [
+    ([[1], []], 4, "prompt 1 is empty"),
+    ([[1, 256]], 4, r"token id 256 is outside the vocabulary \[0, 256\)"),
+    ([[1] * 30], 4, "needs 33 positions, more than max_seq_len=32"),
+    ([], 4, "no prompts"),
+])
+def test_bad_requests_raise_before_running(prompts: list, max_new: int, message: str) -> None:
+    cfg = get_preset("tiny-llama")
+    engine = Engine(cfg, random_weights(cfg, seed=0), backend="cpu", max_seq_len=MAX_SEQ)
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.generate(prompts, max_new)
+    assert engine.plans == {}
+
+
+def test_bad_engine_options() -> None:
+    cfg = get_preset("tiny-llama")
+    weights = random_weights(cfg, seed=0)
+    with pytest.raises(UnsupportedError, match="unknown backend"):
+        Engine(cfg, weights, backend="tpu")
+    with pytest.raises(MpkError, match="steps_per_launch must be a positive integer"):
+        Engine(cfg, weights, steps_per_launch=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_cuda_backend_without_a_gpu_is_a_clear_error() -> None:
+    cfg = get_preset("tiny-llama")
+    with pytest.raises(UnsupportedError, match="needs a CUDA GPU"):
+        Engine(cfg, random_weights(cfg, seed=0), backend="cuda")

@@ -1,0 +1,196 @@
+"""The `mpk` command line, run in-process (plus one real subprocess for the entry point)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpk.cli import main
+from mpk.models import get_preset, random_weights
+from mpk.models.reference import ReferenceModel
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse: --help, usage errors
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    for word in ("generate", "plan", "check", "tiny-qwen3"):
+        assert word in out
+
+
+@pytest.mark.parametrize("command", ["generate", "plan", "check"])
+def test_each_command_has_examples(capsys: pytest.CaptureFixture[str], command: str) -> None:
+    code, out, _ = run(capsys, command, "--help")
+    assert code == 0
+    assert "examples:" in out and f"mpk {command} --model" in out
+
+
+def test_no_command_prints_help_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys)
+    assert code == 2 and "generate" in err
+
+
+def test_generate_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "generate", "--model", "tiny-qwen3", "--backend", "cpu",
+                         "--max-new-tokens", "4", "--json")
+    assert code == 0
+    result = json.loads(out)  # exactly one JSON object on stdout
+    assert result["model"] == "tiny-qwen3" and result["backend"] == "cpu"
+    assert result["random_weights"] is True
+    assert len(result["token_ids"]) == 1 and len(result["token_ids"][0]) == 4
+    timings = set(result["timings"])
+    assert {"compile_s", "load_s", "prefill_s", "decode_s", "ms_per_token"} <= timings
+    assert "random weights" in err
+
+
+def test_generate_batch_matches_the_reference(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "generate", "--model", "tiny-llama", "--backend", "cpu",
+                       "--prompt-ids", "5,6,7", "--prompt-ids", "9", "--max-new-tokens", "5",
+                       "--seed", "3", "--steps-per-launch", "4", "--json")
+    assert code == 0
+    cfg = get_preset("tiny-llama")
+    ref = ReferenceModel(cfg, random_weights(cfg, seed=3), max_seq=16)
+    assert json.loads(out)["token_ids"] == ref.generate_greedy([[5, 6, 7], [9]], 5)
+
+
+def test_generate_human_output(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "generate", "--model", "tiny-qwen3", "--backend", "cpu",
+                       "--max-new-tokens", "2")
+    assert code == 0
+    assert out.startswith("prompt 0: [1, 2, 3, 4] -> [") and "ms/token" in out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3 checkpoint folder with a word-level tokenizer."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    cfg = get_preset("tiny-qwen3")
+    folder = tmp_path_factory.mktemp("tiny-ckpt")
+    (folder / "config.json").write_text(json.dumps(cfg.to_hf()))
+    save_file(random_weights(cfg, seed=5), str(folder / "model.safetensors"))
+    vocab = {f"w{i}": i for i in range(cfg.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_generate_from_a_checkpoint_with_text(capsys: pytest.CaptureFixture[str],
+                                              checkpoint: Path) -> None:
+    code, out, err = run(capsys, "generate", "--checkpoint", str(checkpoint), "--backend", "cpu",
+                         "--prompt", "w3 w4 w5", "--max-new-tokens", "3", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["random_weights"] is False and result["prompt_ids"] == [[3, 4, 5]]
+    assert result["text"] == [" ".join(f"w{i}" for i in result["token_ids"][0])]
+    assert "random weights" not in err
+
+
+def test_prompt_text_without_a_tokenizer(capsys: pytest.CaptureFixture[str],
+                                         checkpoint: Path, tmp_path: Path) -> None:
+    code, _, err = run(capsys, "generate", "--model", "tiny-qwen3", "--backend", "cpu",
+                       "--prompt", "hello")
+    assert code == 2 and "needs a tokenizer" in err
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((checkpoint / name).read_bytes())
+    code, _, err = run(capsys, "generate", "--checkpoint", str(bare), "--backend", "cpu",
+                       "--prompt", "hello")
+    assert code == 2 and "has no tokenizer.json" in err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["generate", "--checkpoint", "/nonexistent", "--backend", "cpu"], "/nonexistent"),
+    (["generate", "--model", "no-such-model", "--backend", "cpu"], "no model preset"),
+    (["generate", "--model", "tiny-qwen3", "--backend", "cpu", "--prompt-ids", "1,999"],
+     "outside the vocabulary"),
+    (["plan", "--model", "no-such-model"], "no model preset"),
+])
+def test_errors_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], args: list[str],
+                                        message: str) -> None:
+    code, out, err = run(capsys, *args)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("mpk: error:")]
+    assert len(lines) == 1 and message in lines[0]
+    assert "Traceback" not in err and out == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_cuda_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "generate", "--model", "tiny-qwen3", "--backend", "cuda")
+    assert code == 2
+    assert err.strip() == ("mpk: error: backend 'cuda' needs a CUDA GPU, but torch sees none "
+                           "(torch.cuda.is_available() is False); use backend 'cpu'")
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "generate", "--model", "tiny-qwen3", "--prompt-ids", "a,b")
+    assert code == 2 and "comma-separated integers" in err
+    code, _, err = run(capsys, "generate", "--model", "tiny-qwen3", "--checkpoint", "x")
+    assert code == 2 and "not allowed with" in err
+
+
+def test_plan_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "--model", "tiny-llama")
+    assert code == 0
+    for word in ("num_tasks", "num_counters", "ops per kind", "waits per task",
+                 "busy time per SM", "predicted time per token", "compile_s"):
+        assert word in out
+
+
+def test_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "--model", "tiny-qwen3", "--num-sms", "8", "--batch", "2",
+                       "--json")
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["num_sms"] == 8 and plan["batch"] == 2 and plan["num_tasks"] > 0
+    assert sum(plan["meta"]["waits_histogram"].values()) == plan["num_tasks"]
+
+
+def test_check_with_a_stub(capsys: pytest.CaptureFixture[str],
+                           monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def run_check(cfg, layers, backend, seed):
+        calls.append((cfg.name, layers, backend, seed))
+        return [("layers.0.qkv", 1e-3, 1e-2, True), ("hidden", 5e-2, 1e-2, False)]
+
+    monkeypatch.setitem(sys.modules, "mpk.check", types.SimpleNamespace(run_check=run_check))
+    code, out, _ = run(capsys, "check", "--model", "tiny-qwen3", "--layers", "0-1",
+                       "--backend", "cpu", "--seed", "4")
+    assert code == 1  # one row failed
+    assert calls == [("tiny-qwen3", range(0, 2), "cpu", 4)]
+    assert "layers.0.qkv" in out and "1 of 2 tensors within tolerance" in out
+    code, _, err = run(capsys, "check", "--model", "tiny-qwen3", "--layers", "0-5",
+                       "--backend", "cpu")
+    assert code == 2 and "out of range" in err
+
+
+def test_check_tiny_model_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("mpk.check")
+    code, out, err = run(capsys, "check", "--model", "tiny-qwen3", "--layers", "0-1",
+                         "--backend", "cpu")
+    assert code == 0, out + err
+
+
+def test_python_dash_m_entry_point() -> None:
+    proc = subprocess.run([sys.executable, "-m", "mpk", "plan", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "usage: mpk plan" in proc.stdout
