@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install, build, run the GPU tests and the first latency measurement.
-# Usage on the H200 machine (repo root): bash scripts/gpu_check.sh   (logs go to $OUT or ./out)
+# Usage on the H200 machine (repo root): bash scripts/gpu_check.sh   (logs go to $OUT, default ./out); BENCH_MODELS, BENCH_TOKENS, PYTEST_ARGS tune it
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MPK_CACHE_DIR=${MPK_CACHE_DIR:-/tmp/mpk-cache}
@@ -9,6 +9,8 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
 status=0
 timeout 420 python3 -m pytest tests/gpu tests/cuda -q -x --timeout 240 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-timeout ${BENCH_TIMEOUT:-240} python3 scripts/decode_latency.py ${BENCH_MODELS:-qwen3-0.6b llama-3.2-1b qwen3-8b} 2>&1 | tee "$OUT/latency.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+for model in ${BENCH_MODELS:-qwen3-0.6b llama-3.2-1b qwen3-8b}; do
+  timeout ${BENCH_TIMEOUT:-240} python3 -m mpk bench --model "$model" --new-tokens ${BENCH_TOKENS:-200} 2>&1 | tee "$OUT/bench-$model.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
 exit $status

@@ -1,0 +1,47 @@
+"""MPK's side of the benchmark: compile a model for the CUDA backend, process the benchmark's
+prompt, then decode in timed launches that rewind to the same position each time."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mpk.backends.base import create_executor
+from mpk.check import bind_model
+from mpk.compiler.lower import compile_graph
+from mpk.models.builder import DecodeShape, build_graph
+from mpk.models.config import ModelConfig
+
+
+class MpkDecoder:
+    """`step(n)` runs n greedy decode steps in one launch starting at position len(prompt)."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prompt: torch.Tensor,
+                 new_tokens: int, num_sms: int | None = None, page_size: int = 16) -> None:
+        batch, self.prompt_len = prompt.shape
+        num_sms = num_sms or torch.cuda.get_device_properties(0).multi_processor_count
+        pages = -(-(self.prompt_len + new_tokens + 1) // page_size)
+        self.shape = DecodeShape(batch=batch, steps_per_launch=max(self.prompt_len, new_tokens),
+                                 page_size=page_size, max_pages=pages, num_pages=batch * pages)
+        t0 = time.perf_counter()
+        self.plan = compile_graph(build_graph(cfg, self.shape, num_sms=num_sms), num_sms)
+        self.plan_s = time.perf_counter() - t0
+        self.executor = create_executor(self.plan, "cuda")
+        self.build_s = time.perf_counter() - t0 - self.plan_s
+        bind_model(self.executor, self.plan, cfg, self.shape, weights, seed=0)
+        forced = torch.full((self.shape.steps_per_launch, batch), -1, dtype=torch.int32)
+        forced[: self.prompt_len] = prompt.T.int().cpu()
+        self.executor.write("prompt", forced)
+        self.executor.run(self.prompt_len)
+        self.executor.write("prompt", torch.full_like(forced, -1))
+        self._start = torch.full((batch,), self.prompt_len, dtype=torch.int32)
+
+    def step(self, n: int) -> None:
+        self.executor.write("positions", self._start)
+        self.executor.run(n)
+
+    def tokens(self, n: int) -> list[int]:
+        """Row 0's first n greedy tokens after the prompt (to compare with the baseline's)."""
+        self.step(n)
+        return self.executor.read("tokens_out")[:n, 0].tolist()
