@@ -1,0 +1,146 @@
+"""Renders the megakernel source for a Plan from csrc/megakernel.cu.in.
+
+The template has four holes, all filled from data, never from hand-kept lists:
+  CONSTANTS  record layout (record.layout_constants() as REC_<NAME>), runtime sizes, the error
+             buffer layout (ERROR_FIELDS below, shared with the executor) and the ABI version;
+  KINDS      for each kind of the plan (kind id = index in plan.kinds): its operand slots
+             O_<OPERAND> and param indices P_<PARAM> in `namespace mpk::kinds::<kind>`, then
+             `#include "<kind>/sm90.cuh"` (resolved against mpk/tasks);
+  DISPATCH   `case <kind id>: mpk::kinds::<kind>::run(a); break;`;
+  KIND_NAMES the kind-name table for profilers and error messages.
+The rendered source depends only on the plan's kinds (in order), not on its tables, so one
+build serves every plan that uses the same kinds.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from mpk.compiler import record
+from mpk.compiler.plan import Plan
+from mpk.errors import CompileError
+from mpk.tasks.registry import get_kind
+
+CSRC_DIR = Path(__file__).parent / "csrc"
+TEMPLATE = CSRC_DIR / "megakernel.cu.in"
+
+# Bump when Params, the error buffer or the exported host functions change meaning.
+ABI_VERSION = 1
+NUM_THREADS = 256
+SMEM_BYTES = 200 * 1024  # dynamic shared memory per CTA, all of it handed to the running task
+ARCH_SUFFIX = "sm90"  # which <kind>/<arch>.cuh the kinds are included from
+
+# The error buffer (int32 words) the runtime fills when it stops: emitted as ERR_<NAME>.
+ERROR_FIELDS: dict[str, int] = {
+    "CODE": 0,  # 0 = no error, else one of ERROR_CODES
+    "SM": 1,
+    "TASK": 2,
+    "KIND": 3,
+    "INDEX": 4,  # position of the record in its SM's list
+    "COUNTER": 5,
+    "VALUE_LO": 6,
+    "VALUE_HI": 7,
+    "TARGET_LO": 8,
+    "TARGET_HI": 9,
+    "STEP_LO": 10,  # global step
+    "STEP_HI": 11,
+}
+ERROR_WORDS = 16
+ERROR_CODES: dict[str, int] = {"TIMEOUT": 1, "BAD_KIND": 2}
+
+# Per-SM stop state [num_sms, SM_STATE_WORDS] (emitted as SMS_<NAME>): where each CTA stopped
+# after a failure. STATUS stays 0 for a CTA that finished its list (or never stopped).
+SM_STATE_FIELDS: dict[str, int] = {"STATUS": 0, "INDEX": 1, "STEP": 2, "WAIT": 3}
+SM_STATE_WORDS = 4
+SM_STATUS: dict[str, int] = {"WAITING": 1, "BAD_KIND": 2}
+
+_HOLE = re.compile(r"@@([A-Z_]+)@@")
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def constants_block() -> str:
+    """C++ constants shared by the runtime and the tasks (`inline` so unused ones don't warn)."""
+    lines = [f"inline constexpr int REC_{name} = {value};"
+             for name, value in sorted(record.layout_constants().items())]
+    lines += [
+        f"inline constexpr int NUM_THREADS = {NUM_THREADS};",
+        f"inline constexpr int SMEM_BYTES = {SMEM_BYTES};",
+        f"inline constexpr int PARAM_WORDS = {record.PARAM_WORDS};",
+        f"inline constexpr int MPK_ABI_VERSION = {ABI_VERSION};",
+        f"inline constexpr int ERR_WORDS = {ERROR_WORDS};",
+    ]
+    lines += [f"inline constexpr int ERR_{name} = {value};"
+              for name, value in ERROR_FIELDS.items()]
+    lines += [f"inline constexpr int ERR_CODE_{name} = {value};"
+              for name, value in ERROR_CODES.items()]
+    lines.append(f"inline constexpr int SMS_WORDS = {SM_STATE_WORDS};")
+    lines += [f"inline constexpr int SMS_{name} = {value};"
+              for name, value in SM_STATE_FIELDS.items()]
+    lines += [f"inline constexpr int SMS_STATUS_{name} = {value};"
+              for name, value in SM_STATUS.items()]
+    return "\n".join(lines)
+
+
+def kind_block(kind_id: int, name: str) -> str:
+    """Namespace constants of one kind, then its device code."""
+    kind = get_kind(name)
+    if not _IDENT.match(name):
+        raise CompileError(f"task kind {name!r} is not a C++ identifier")
+    if len(kind.operands) > record.MAX_OPERANDS:
+        raise CompileError(f"task kind {name!r} has {len(kind.operands)} operands; records hold "
+                           f"at most {record.MAX_OPERANDS}")
+    if len(kind.params) > record.PARAM_WORDS:
+        raise CompileError(f"task kind {name!r} has {len(kind.params)} params; op rows hold at "
+                           f"most {record.PARAM_WORDS}")
+    lines = [f"namespace mpk::kinds::{name} {{", f"inline constexpr int KIND_ID = {kind_id};"]
+    lines += [f"inline constexpr int O_{spec.name.upper()} = {slot};"
+              for slot, spec in enumerate(kind.operands)]
+    lines += [f"inline constexpr int P_{param.name.upper()} = {index};"
+              for index, param in enumerate(kind.params)]
+    lines += [f"}}  // namespace mpk::kinds::{name}", f'#include "{name}/{ARCH_SUFFIX}.cuh"']
+    return "\n".join(lines)
+
+
+def dispatch_block(kinds: Sequence[str]) -> str:
+    return "\n".join(f"    case {i}:\n      mpk::kinds::{name}::run(a);\n      break;"
+                     for i, name in enumerate(kinds))
+
+
+def kind_names_block(kinds: Sequence[str]) -> str:
+    # A trailing nullptr keeps the array non-empty (and doubles as an end marker).
+    names = ", ".join(f'"{name}"' for name in kinds)
+    return (f"inline constexpr int MPK_NUM_KINDS = {len(kinds)};\n"
+            f"static const char* const MPK_KIND_NAMES[] = {{{names + ', ' if names else ''}"
+            f"nullptr}};")
+
+
+def render_kinds(kinds: Sequence[str]) -> str:
+    """The megakernel source for a tuple of kind names (kind id = position)."""
+    if len(set(kinds)) != len(kinds):
+        raise CompileError(f"duplicate kinds in {list(kinds)}")
+    holes = {
+        "CONSTANTS": constants_block(),
+        "KINDS": "\n\n".join(kind_block(i, name) for i, name in enumerate(kinds)),
+        "DISPATCH": dispatch_block(kinds),
+        "KIND_NAMES": kind_names_block(kinds),
+    }
+    template = TEMPLATE.read_text()
+    found = set(_HOLE.findall(template))
+    if found != set(holes):
+        raise AssertionError(f"template holes {sorted(found)} != filled {sorted(holes)}")
+    return _HOLE.sub(lambda m: holes[m.group(1)], template)
+
+
+def render(plan: Plan) -> str:
+    """The megakernel .cu source for `plan` (depends only on plan.kinds)."""
+    return render_kinds(plan.kinds)
+
+
+def missing_kernels(kinds: Sequence[str], extra_dirs: Sequence[Path] = ()) -> list[str]:
+    """Kinds without a <kind>/sm90.cuh in `extra_dirs` or mpk/tasks (the include search path)."""
+    from mpk.tasks.registry import TASKS_DIR
+
+    dirs = [Path(d) for d in extra_dirs] + [TASKS_DIR]
+    return [k for k in kinds if not any((d / k / f"{ARCH_SUFFIX}.cuh").exists() for d in dirs)]

@@ -1,0 +1,222 @@
+"""CudaExecutor: runs a Plan as one persistent megakernel launch per `run()` call.
+
+Device state (all torch allocations on the executor's device):
+  arena       uint8 [arena_bytes]; ACTIVATION tensors are views into it (0xFF-poisoned on request,
+              i.e. NaN for bf16/f32, so a read-before-write shows up);
+  counters    int64 [num_counters], zero once and then monotonic (backends/base.py);
+  error/abort the watchdog's report (codegen.ERROR_FIELDS) and the stop-everyone flag;
+  instrs, lengths, op_params: uploaded once;
+  pointer table int64 [num_tensors] of base addresses, rebuilt when a binding changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from mpk import env
+from mpk.compiler import record
+from mpk.compiler.plan import Plan, PlanTensor
+from mpk.dtypes import DType
+from mpk.errors import KernelHangError, MpkError, UnsupportedError
+
+from . import build, codegen, diagnose
+from .loader import KernelInfo, Megakernel, Params
+
+BINDABLE_ROLES = ("weight", "io")
+
+
+class CudaExecutor:
+    """The Executor protocol (backends/base.py) on a Hopper GPU."""
+
+    def __init__(self, plan: Plan, device: str | int | torch.device | None = None,
+                 poison: bool = False, timeout_s: float | None = None, *,
+                 extra_includes: Sequence[Path] = ()) -> None:
+        """`extra_includes`: directories searched for <kind>/sm90.cuh before mpk/tasks (tests,
+        out-of-tree kinds)."""
+        self.plan = plan
+        self.device = _cuda_device(device)
+        props = torch.cuda.get_device_properties(self.device)
+        if props.major < 9:
+            raise UnsupportedError(f"{props.name} has compute capability {props.major}."
+                                   f"{props.minor}; the CUDA backend needs 9.0 (Hopper) or newer")
+        if plan.num_sms > props.multi_processor_count:
+            raise UnsupportedError(f"the plan was compiled for {plan.num_sms} SMs but "
+                                   f"{props.name} has {props.multi_processor_count}; recompile "
+                                   f"with num_sms <= {props.multi_processor_count}")
+        self.timeout_s = float(env.watchdog_seconds() if timeout_s is None else timeout_s)
+        if self.timeout_s <= 0:
+            raise MpkError(f"timeout_s must be positive, got {self.timeout_s}")
+
+        arch = build.arch_for_capability(props.major, props.minor)
+        self.build = build.build_plan(plan, arch=arch, extra_includes=extra_includes)
+        self.kernel = Megakernel(self.build.so_path)
+        self.kernel_info: KernelInfo = self.kernel.kernel_info(self.device.index)
+        if self.kernel_info.blocks_per_sm < 1:
+            raise UnsupportedError(f"the megakernel does not fit on one SM "
+                                   f"({self.kernel_info.registers} registers x "
+                                   f"{codegen.NUM_THREADS} threads, {codegen.SMEM_BYTES} + "
+                                   f"{self.kernel_info.static_smem} bytes of shared memory)")
+
+        dev = self.device
+        self.arena = torch.full((max(plan.arena_bytes, 1),), 0xFF if poison else 0,
+                                dtype=torch.uint8, device=dev)
+        self.counters = torch.zeros(max(plan.num_counters, 1), dtype=torch.int64, device=dev)
+        self._error = torch.zeros(codegen.ERROR_WORDS, dtype=torch.int32, device=dev)
+        # Pinned mirror: the error code comes back with the same stream sync as the kernel.
+        self._error_host = torch.zeros(codegen.ERROR_WORDS, dtype=torch.int32, pin_memory=True)
+        self._abort = torch.zeros(1, dtype=torch.int32, device=dev)
+        self._sm_state = torch.zeros(plan.num_sms * codegen.SM_STATE_WORDS, dtype=torch.int32,
+                                     device=dev)
+        instrs = plan.instrs.reshape(plan.num_sms, -1, record.WORDS)
+        self._max_len = int(instrs.shape[1])
+        self._instrs = _upload(instrs, dev)
+        self._lengths = _upload(plan.lengths, dev)
+        self._op_params = _upload(plan.op_params.reshape(-1, record.PARAM_WORDS), dev)
+
+        self._views: dict[int, torch.Tensor] = {}
+        self._bound: dict[int, torch.Tensor] = {}
+        for i, t in enumerate(plan.tensors):
+            if t.offset >= 0:
+                self._views[i] = self._arena_view(t)
+        self._ptr_table: torch.Tensor | None = None
+        self._dead: str | None = None  # why the executor refuses to run again
+        self.step = 0  # global step of the next run
+
+    # ---- Executor protocol -----------------------------------------------------------------
+    def bind(self, name: str, tensor: torch.Tensor) -> None:
+        tid, spec = self._lookup(name)
+        if spec.role not in BINDABLE_ROLES:
+            raise MpkError(f"tensor '{name}' is an {spec.role} tensor in the arena; only weight "
+                           f"and io tensors can be bound (use write() to set it)")
+        want = DType(spec.dtype).torch
+        if tuple(tensor.shape) != tuple(spec.shape) or tensor.dtype != want:
+            raise MpkError(f"tensor '{name}': expected shape {tuple(spec.shape)} {want}, got "
+                           f"{tuple(tensor.shape)} {tensor.dtype}")
+        if tensor.device != self.device or not tensor.is_contiguous():
+            # A copy: the kernel reads and writes this device copy, not the caller's tensor.
+            tensor = tensor.detach().to(self.device).contiguous()
+        self._bound[tid] = tensor
+        self._ptr_table = None
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        target = self.tensor(name)
+        if tuple(value.shape) != tuple(target.shape):
+            raise MpkError(f"write to tensor '{name}': expected shape {tuple(target.shape)}, got "
+                           f"{tuple(value.shape)}")
+        target.copy_(value)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.tensor(name).detach().to("cpu", copy=True)
+
+    def run(self, num_steps: int = 1) -> None:
+        if self._dead is not None:
+            raise MpkError(f"this CudaExecutor cannot run again: {self._dead}. Create a new one.")
+        if num_steps < 1:
+            raise MpkError(f"num_steps must be >= 1, got {num_steps}")
+        missing = [t.name for i, t in enumerate(self.plan.tensors)
+                   if i not in self._views and i not in self._bound]
+        if missing:
+            raise MpkError(f"bind these tensors before run(): {', '.join(missing)}")
+        params = Params(
+            instrs=self._instrs.data_ptr(), lengths=self._lengths.data_ptr(),
+            op_params=self._op_params.data_ptr(), tensors=self._pointer_table().data_ptr(),
+            counters=self.counters.data_ptr(), error=self._error.data_ptr(),
+            abort_flag=self._abort.data_ptr(), sm_state=self._sm_state.data_ptr(),
+            step_begin=self.step, num_steps=num_steps,
+            max_len=self._max_len, timeout_ns=int(self.timeout_s * 1e9))
+        stream = torch.cuda.current_stream(self.device)
+        with torch.cuda.device(self.device):
+            rc = self.kernel.launch(params, self.plan.num_sms, self.device.index,
+                                    stream.cuda_stream)
+            if rc != 0:
+                raise MpkError(f"launching the megakernel failed: {self.kernel.error_string(rc)}")
+            self._error_host.copy_(self._error, non_blocking=True)
+            try:
+                stream.synchronize()
+            except RuntimeError as e:  # a fault inside a task: the context is unusable
+                self._dead = f"the megakernel failed: {e}"
+                raise MpkError(self._dead) from e
+        err = self._error_host.tolist()
+        if err[codegen.ERROR_FIELDS["CODE"]] != 0:
+            self._dead = "its megakernel was stopped by the watchdog, counters are inconsistent"
+            raise self._failure(err)
+        self.step += num_steps
+
+    # ---- extras ----------------------------------------------------------------------------
+    def tensor(self, name: str) -> torch.Tensor:
+        """The device tensor behind `name` (bound tensor or arena view), no copy."""
+        tid, spec = self._lookup(name)
+        if tid in self._bound:
+            return self._bound[tid]
+        if tid in self._views:
+            return self._views[tid]
+        raise MpkError(f"tensor '{name}' ({spec.role}) is not bound yet: call bind() first")
+
+    # ---- internals -------------------------------------------------------------------------
+    def _lookup(self, name: str) -> tuple[int, PlanTensor]:
+        try:
+            tid = self.plan.tensor_id(name)
+        except KeyError:
+            raise MpkError(f"the plan has no tensor named '{name}'") from None
+        return tid, self.plan.tensors[tid]
+
+    def _arena_view(self, t: PlanTensor) -> torch.Tensor:
+        dtype = DType(t.dtype)
+        nbytes = dtype.itemsize
+        for d in t.shape:
+            nbytes *= d
+        if t.offset % 16 or t.offset + nbytes > self.plan.arena_bytes:
+            raise MpkError(f"tensor '{t.name}': arena offset {t.offset} (+{nbytes} bytes) is "
+                           f"misaligned or outside the arena ({self.plan.arena_bytes} bytes)")
+        return self.arena[t.offset:t.offset + nbytes].view(dtype.torch).view(t.shape)
+
+    def _pointer_table(self) -> torch.Tensor:
+        if self._ptr_table is None:
+            ptrs = [(self._bound.get(i) if i in self._bound else self._views[i]).data_ptr()
+                    for i in range(len(self.plan.tensors))]
+            self._ptr_table = torch.tensor(ptrs or [0], dtype=torch.int64).to(self.device)
+        return self._ptr_table
+
+    def _failure(self, err: list[int]) -> MpkError:
+        f = codegen.ERROR_FIELDS
+        code, sm, task, index = err[f["CODE"]], err[f["SM"]], err[f["TASK"]], err[f["INDEX"]]
+        step = record.join64(err[f["STEP_LO"]], err[f["STEP_HI"]])
+        try:
+            name = self.plan.task_name(task)
+            story = diagnose.explain(
+                self.plan, self._sm_state.cpu().numpy().reshape(self.plan.num_sms, -1),
+                self.counters.cpu().numpy(), self.step)
+        except Exception as e:  # a corrupt record must not hide the report
+            name, story = "?", f"(no diagnosis: {e!r})"
+        if code == codegen.ERROR_CODES["BAD_KIND"]:
+            return MpkError(f"task {task} {name} on SM {sm} has kind id {err[f['KIND']]}, which "
+                            f"this megakernel does not know (plan kinds: {list(self.plan.kinds)})")
+        counter = err[f["COUNTER"]]
+        value = record.join64(err[f["VALUE_LO"]], err[f["VALUE_HI"]])
+        target = record.join64(err[f["TARGET_LO"]], err[f["TARGET_HI"]])
+        return KernelHangError(
+            f"the megakernel watchdog ({self.timeout_s:g} s) stopped the kernel.\n{story}\n"
+            f"first timeout: task {task} {name} on SM {sm} (position {index}) at global step "
+            f"{step}, counter {counter}: value {value}, needs {target}.\n"
+            f"The executor's counters are now inconsistent; create a new executor.")
+
+
+def _cuda_device(device: str | int | torch.device | None) -> torch.device:
+    if not torch.cuda.is_available():
+        raise UnsupportedError("the CUDA backend needs a CUDA GPU, but torch.cuda is not "
+                               "available here; use the 'cpu' backend")
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(
+        device if device is not None else "cuda")
+    if dev.type != "cuda":
+        raise UnsupportedError(f"the CUDA backend runs on a cuda device, not {dev}")
+    return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _upload(array: object, device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(array).to(torch.int32).contiguous().reshape(-1)
+    if t.numel() == 0:  # a valid pointer even for empty tables
+        t = torch.zeros(1, dtype=torch.int32)
+    return t.to(device)

@@ -1,0 +1,129 @@
+"""CPU-only checks of the megakernel code generator and the build helpers (no nvcc, no GPU)."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import pytest
+
+from mpk.backends.cuda import build, codegen
+from mpk.backends.cuda.loader import Params
+from mpk.compiler import record
+from mpk.compiler.lower import compile_graph
+from mpk.compiler.plan import Plan
+from mpk.dtypes import DType
+from mpk.errors import CompileError, UnsupportedError
+from mpk.graph.graph import Graph
+from mpk.tasks.registry import all_kinds, get_kind
+from mpk.tensors import Role
+from tests.cuda.runtime_plans import chain_plan
+
+
+def small_plan(num_sms: int = 4) -> Plan:
+    """rmsnorm -> linear, unfused, so the plan uses exactly two kinds."""
+    g = Graph()
+    x = g.add_tensor("x", (1, 64), DType.BF16, Role.IO)
+    w = g.add_tensor("w", (64,), DType.BF16, Role.WEIGHT)
+    h = g.add_tensor("h", (1, 64), DType.BF16, Role.ACTIVATION)
+    big_w = g.add_tensor("W", (128, 64), DType.BF16, Role.WEIGHT)
+    y = g.add_tensor("y", (1, 128), DType.BF16, Role.IO)
+    g.add_op("rmsnorm", "norm", (1,), {"x": x, "weight": w, "out": h})
+    g.add_op("linear", "proj", (4,), {"x": h, "weight": big_w, "out": y})
+    return compile_graph(g, num_sms=num_sms, fuse_ops=False)
+
+
+def constants(source: str) -> dict[str, int]:
+    return {m[0]: int(m[1]) for m in re.findall(r"constexpr int (\w+) = (-?\d+);", source)}
+
+
+def namespace(source: str, kind: str) -> str:
+    m = re.search(rf"namespace mpk::kinds::{kind} \{{(.*?)\}}  // namespace", source, re.S)
+    assert m, f"no namespace block for {kind}"
+    return m.group(1)
+
+
+def test_layout_constants_come_from_record() -> None:
+    src = codegen.render(small_plan())
+    consts = constants(src)
+    for name, value in record.layout_constants().items():
+        assert consts[f"REC_{name}"] == value, name
+    assert consts["NUM_THREADS"] == 256
+    assert consts["SMEM_BYTES"] == 200 * 1024
+    assert consts["PARAM_WORDS"] == record.PARAM_WORDS
+    assert consts["MPK_ABI_VERSION"] == codegen.ABI_VERSION
+    assert consts["ERR_WORDS"] == codegen.ERROR_WORDS
+    for name, value in codegen.ERROR_FIELDS.items():
+        assert consts[f"ERR_{name}"] == value
+    assert max(codegen.ERROR_FIELDS.values()) < codegen.ERROR_WORDS
+    assert consts["SMS_WORDS"] == codegen.SM_STATE_WORDS
+    for name, value in codegen.SM_STATE_FIELDS.items():
+        assert consts[f"SMS_{name}"] == value
+    assert "@@" not in src
+
+
+def test_kinds_dispatch_and_includes_follow_the_plan() -> None:
+    plan = small_plan()
+    src = codegen.render(plan)
+    assert plan.kinds == ("linear", "rmsnorm")
+    for kind_id, name in enumerate(plan.kinds):
+        kind = get_kind(name)
+        block = constants(namespace(src, name))
+        assert block["KIND_ID"] == kind_id
+        for slot, spec in enumerate(kind.operands):
+            assert block[f"O_{spec.name.upper()}"] == slot
+        for index, param in enumerate(kind.params):
+            assert block[f"P_{param.name.upper()}"] == index
+        assert f'#include "{name}/sm90.cuh"' in src
+        assert re.search(rf"case {kind_id}:\s*mpk::kinds::{name}::run\(a\);\s*break;", src)
+    assert len(re.findall(r"case \d+:", src)) == len(plan.kinds)
+    assert 'MPK_KIND_NAMES[] = {"linear", "rmsnorm", nullptr}' in src
+    # Kinds the plan does not use are neither included nor dispatched.
+    for name in set(all_kinds()) - set(plan.kinds):
+        assert f'"{name}/sm90.cuh"' not in src
+        assert f"mpk::kinds::{name}" not in src
+    # The constants are defined before the kernels that use them, the runtime comes last.
+    assert src.index("REC_WORDS") < src.index("task_args.cuh") < src.index('"linear/sm90.cuh"')
+    assert src.index("bool dispatch") < src.index('#include "runtime.cuh"')
+
+
+def test_source_depends_only_on_kinds() -> None:
+    assert codegen.render(small_plan(4)) == codegen.render(small_plan(7))
+    assert codegen.render(chain_plan(n=256, tiles=4, num_sms=2)) == codegen.render_kinds(
+        ["silu_mul"])
+    with pytest.raises(CompileError, match="duplicate"):
+        codegen.render_kinds(["rmsnorm", "rmsnorm"])
+
+
+def test_params_struct_layout() -> None:
+    # mpk::Params: 8 pointers, then step_begin, num_steps, max_len, timeout_ns (x86-64 / aarch64).
+    assert ctypes.sizeof(Params) == 88
+    assert Params.step_begin.offset == 64 and Params.timeout_ns.offset == 80
+
+
+def test_arch_selection() -> None:
+    assert build.arch_for_capability(9, 0) == "sm_90a"
+    assert build.gencode_flags("sm_90a") == ["-gencode=arch=compute_90a,code=sm_90a"]
+    with pytest.raises(UnsupportedError, match="below 9.0"):
+        build.arch_for_capability(8, 0)
+    with pytest.raises(UnsupportedError):
+        build.gencode_flags("hopper")
+
+
+def test_ptxas_report_parses_the_entry() -> None:
+    log = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'mpk_megakernel' for 'sm_90a'
+ptxas info    : Function properties for mpk_megakernel
+    16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers, 16 bytes cumulative stack size, 1284 bytes smem
+ptxas info    : Compile time = 88.038 ms
+ptxas info    : Function properties for _ZN3mpk14report_failureEPiS0_iiPKiiiyyx
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Function properties for _ZN3mpk5kinds6linear3runERKNS_8TaskArgsE
+    0 bytes stack frame, 640 bytes spill stores, 1000 bytes spill loads
+"""
+    # Spills of out-of-line device functions (here a __noinline__ task) count too.
+    assert build.ptxas_report(log) == {"registers": 168, "spill_stores": 648, "spill_loads": 1004,
+                                       "stack_frame": 16, "smem": 1284, "barriers": 1}
+    with pytest.raises(CompileError, match="not found"):
+        build.ptxas_report("nothing here")

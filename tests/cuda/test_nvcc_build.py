@@ -1,0 +1,80 @@
+"""nvcc builds of the megakernel for sm_90a (no GPU needed): clean ptxas report, cache, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mpk.backends.cuda import build, codegen
+from mpk.errors import CompileError
+from mpk.tasks.registry import all_kinds
+from tests.cuda.runtime_plans import STUB_KINDS, chain_plan
+
+pytestmark = pytest.mark.nvcc
+REGISTER_CAP = 255
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("mpk-cache")
+
+
+def assert_clean(result: build.BuildResult) -> None:
+    report = result.ptxas()
+    spilling = {name: f"{stack} B stack, {stores} B spill stores, {loads} B spill loads"
+                for name, (stack, stores, loads) in build.ptxas_functions(result.log).items()
+                if stores or loads}
+    assert report["spill_stores"] == 0 and report["spill_loads"] == 0, (report, spilling)
+    assert 0 < report["registers"] <= REGISTER_CAP, report
+
+
+def test_runtime_compiles_clean_and_caches(cache_root: Path) -> None:
+    """The runtime with a stub task: no spills, no stack; the second build compiles nothing."""
+    plan = chain_plan(n=256, tiles=4, num_sms=2)
+    first = build.build_plan(plan, arch="sm_90a", extra_includes=[STUB_KINDS],
+                             cache_root=cache_root)
+    assert not first.cached and first.so_path.is_file()
+    assert (first.so_path.parent / "nvcc.cmd").read_text().count("compute_90a,code=sm_90a") == 1
+    assert_clean(first)
+    report = first.ptxas()
+    assert report["stack_frame"] == 0, report
+    mtime = first.so_path.stat().st_mtime_ns
+    second = build.build_plan(plan, arch="sm_90a", extra_includes=[STUB_KINDS],
+                              cache_root=cache_root)
+    assert second.cached and second.so_path == first.so_path
+    assert second.so_path.stat().st_mtime_ns == mtime
+    assert second.ptxas() == report
+
+
+def test_real_task_kernels_compile_clean(cache_root: Path) -> None:
+    """Every kind that has an sm90.cuh, in one megakernel, as the runtime will build it."""
+    kinds = list(all_kinds())
+    missing = codegen.missing_kernels(kinds)
+    present = [k for k in kinds if k not in missing]
+    if not present:
+        pytest.skip(f"no task kernels written yet (missing sm90.cuh: {', '.join(missing)})")
+    result = build.compile_source(codegen.render_kinds(present), arch="sm_90a",
+                                  cache_root=cache_root)
+    assert_clean(result)
+
+
+def test_broken_source_raises_compile_error(cache_root: Path) -> None:
+    with pytest.raises(CompileError) as info:
+        build.compile_source("this is not CUDA;\n", arch="sm_90a", cache_root=cache_root)
+    message = str(info.value)
+    assert "megakernel.cu" in message and str(cache_root) in message
+    assert "error" in message.lower()
+
+
+def test_header_edit_changes_the_build_key(tmp_path: Path) -> None:
+    header = tmp_path / "silu_mul" / "sm90.cuh"
+    header.parent.mkdir()
+    header.write_text("// v1\n")
+    source = codegen.render_kinds(["silu_mul"])
+    nvcc = build.env.nvcc_path()
+    includes = build.include_dirs([tmp_path])
+    key1 = build.build_key(source, "sm_90a", includes, (), nvcc)
+    assert key1 == build.build_key(source, "sm_90a", includes, (), nvcc)
+    header.write_text("// v2\n")
+    assert build.build_key(source, "sm_90a", includes, (), nvcc) != key1
