@@ -110,7 +110,7 @@ def test_wrong_shape(tmp_path) -> None:
         t["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(64, 64, dtype=torch.bfloat16)
     _corrupt(tmp_path, edit)
     with pytest.raises(CheckpointError, match=r"k_proj\.weight in .*model\.safetensors has "
-                                              r"shape \[64, 64\], expected \[32, 64\]"):
+                                              r"shape \[64, 64\], expected \[128, 64\]"):
         load_checkpoint(tmp_path)
 
 

@@ -258,9 +258,9 @@ PRESETS: dict[str, ModelConfig] = {c.name: c for c in (
     _qwen3("qwen3-8b", 4096, 12288, 36, 32, tied=False),
     _llama("llama-3.2-1b", 2048, 8192, 16, 32, head_dim=64, tied=True, factor=32.0),
     _llama("llama-3.1-8b", 4096, 14336, 32, 32, head_dim=128, tied=False, factor=8.0),
-    _qwen3("tiny-qwen3", 64, 128, 2, 4, tied=True, vocab=256, kv=2, head_dim=16, bos=None,
+    _qwen3("tiny-qwen3", 64, 128, 2, 4, tied=True, vocab=256, kv=2, head_dim=64, bos=None,
            eos=(), max_pos=4096),
-    _llama("tiny-llama", 64, 160, 2, 4, head_dim=16, tied=False, factor=8.0, vocab=256, kv=2,
+    _llama("tiny-llama", 64, 160, 2, 4, head_dim=64, tied=False, factor=8.0, vocab=256, kv=2,
            bos=None, eos=()),
 )}
 

@@ -46,7 +46,7 @@ class CpuExecutor:
                 buf = torch.empty(t.shape, dtype=DType(t.dtype).torch)
                 self.tensors[t.name] = poison_(buf) if poison else buf.zero_()
         self._views: dict[int, dict[str, torch.Tensor]] | None = None
-        self._upcast: dict[tuple, torch.Tensor] = {}
+        self._upcast: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._kinds = [get_kind(k) for k in plan.kinds]
         self._op_views = [plan.op_view(i) for i in range(len(plan.ops))]
 
@@ -61,9 +61,9 @@ class CpuExecutor:
             # Weights are read-only: keep an exact fp32 copy (shared by tied names) so each
             # tile's fp32 math does not convert its weights again.
             key = (tensor.data_ptr(), tuple(tensor.shape))
-            if key not in self._upcast:
-                self._upcast[key] = tensor.float()
-            tensor = self._upcast[key]
+            if key not in self._upcast:  # the source is kept too, so its address stays taken
+                self._upcast[key] = (tensor, tensor.float())
+            tensor = self._upcast[key][1]
         self.tensors[name] = tensor
         self._views = None
 

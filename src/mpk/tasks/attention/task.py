@@ -35,7 +35,8 @@ class Attention(TaskKind):
     )
     params = (Param("batch"), Param("group"), Param("head_dim"), Param("kv_heads"),
               Param("page_size"), Param("max_pages"), Param("num_splits"),
-              Param("heads_per_task"), Param("scale", is_float=True))
+              Param("heads_per_task"), Param("scale", is_float=True), Param("batch_per_task"),
+              Param("num_pages"))
     attrs = {"scale": 0.0}  # 0 means head_dim ** -0.5
 
     def default_splits(self, grid, tensors):
@@ -50,6 +51,8 @@ class Attention(TaskKind):
         if op.shape("q")[1] != kv_heads or op.shape("q")[2] % head_dim:
             raise op.error(f"q {op.shape('q')} must be [B, {kv_heads}, G*{head_dim}]")
         group = op.shape("q")[2] // head_dim
+        if head_dim not in (64, 128):
+            raise op.error(f"head_dim {head_dim} is not supported (the kernels do 64 and 128)")
         op.expect_shape("positions", (batch,))
         splits = op.grid[2]
         if splits == 1:
@@ -78,7 +81,8 @@ class Attention(TaskKind):
         return {"batch": op.shape("q")[0], "group": op.shape("q")[2] // head_dim,
                 "head_dim": head_dim, "kv_heads": kv_heads, "page_size": page_size,
                 "max_pages": op.shape("page_table")[1], "num_splits": op.grid[2],
-                "heads_per_task": op.tile_shape("q")[1], "scale": scale}
+                "heads_per_task": op.tile_shape("q")[1], "scale": scale,
+                "batch_per_task": op.tile_shape("q")[0], "num_pages": num_pages}
 
     def reference(self, tile: Tile) -> None:
         p = self.param_values(tile.op)

@@ -22,7 +22,7 @@ class AttentionMerge(TaskKind):
         OperandSpec("out", Access.WRITE),
     )
     params = (Param("batch"), Param("kv_heads"), Param("num_splits"), Param("group"),
-              Param("head_dim"), Param("heads_per_task"))
+              Param("head_dim"), Param("heads_per_task"), Param("batch_per_task"))
 
     def default_splits(self, grid, tensors):
         return {"part_o": (1, 0, None), "part_lse": (1, 0, None), "out": (1, 0, None)}
@@ -47,7 +47,8 @@ class AttentionMerge(TaskKind):
         batch, kv_heads, splits, width = op.shape("part_o")
         group = op.shape("part_lse")[3]
         return {"batch": batch, "kv_heads": kv_heads, "num_splits": splits, "group": group,
-                "head_dim": width // group, "heads_per_task": op.tile_shape("out")[1]}
+                "head_dim": width // group, "heads_per_task": op.tile_shape("out")[1],
+                "batch_per_task": op.tile_shape("out")[0]}
 
     def reference(self, tile: Tile) -> None:
         o, lse = tile["part_o"], tile["part_lse"]  # [b, h, S, G*D], [b, h, S, G]

@@ -42,7 +42,7 @@ class QkRopeAppend(TaskKind):
     )
     params = (Param("batch"), Param("group"), Param("head_dim"), Param("kv_heads"),
               Param("page_size"), Param("max_pages"), Param("max_pos"), Param("has_qk_norm"),
-              Param("eps", is_float=True))
+              Param("eps", is_float=True), Param("heads_per_task"), Param("num_pages"))
     attrs = {"eps": 1e-6}
 
     def default_splits(self, grid, tensors):
@@ -86,7 +86,8 @@ class QkRopeAppend(TaskKind):
         return {"batch": op.shape("qkv")[0], "group": op.shape("qkv")[2] // head_dim - 2,
                 "head_dim": head_dim, "kv_heads": kv_heads, "page_size": page_size,
                 "max_pages": op.shape("page_table")[1], "max_pos": op.shape("rope")[0],
-                "has_qk_norm": int(op.has("q_norm")), "eps": op.attrs["eps"]}
+                "has_qk_norm": int(op.has("q_norm")), "eps": op.attrs["eps"],
+                "heads_per_task": op.tile_shape("qkv")[1], "num_pages": num_pages}
 
     def reference(self, tile: Tile) -> None:
         p = self.param_values(tile.op)
