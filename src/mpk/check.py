@@ -50,6 +50,7 @@ def run_check(cfg: ModelConfig, layers: range, backend: str, seed: int = 0,
         executor.run(steps)
         runs.append({t.name: executor.read(t.name) for t in plan.tensors if t.role != "weight"})
     rows = [_compare(name, runs[1][name], runs[0][name]) for name in sorted(runs[0])]
+    rows = [_argmax_row(runs, r) if r.tensor == "argmax_idx" else r for r in rows]
     ref = ReferenceModel(cfg, weights, max_seq=shape.max_seq_len)
     logits = ref.forward(prompt.T.long(), 0)[0, -1]
     rows.append(_compare("logits vs reference model", runs[1]["logits"][0], logits))
@@ -73,6 +74,20 @@ def bind_model(ex: Executor, plan: Plan, cfg: ModelConfig, shape: DecodeShape,
     ex.bind("positions", torch.zeros(shape.batch, dtype=torch.int32))
     ex.bind("prompt", torch.full((shape.steps_per_launch, shape.batch), -1, dtype=torch.int32))
     ex.bind("tokens_out", torch.zeros((shape.steps_per_launch, shape.batch), dtype=torch.int32))
+
+
+def _argmax_row(runs: list[dict[str, torch.Tensor]], row: CheckRow) -> CheckRow:
+    """A vocab slice's argmax may legitimately pick another index when two logits are within
+    rounding of each other: accept a differing index whose logit (in the reference run) is
+    within BF16_TOL of the logits' spread of the reference's choice."""
+    if row.passed:
+        return row
+    logits = runs[0]["logits"].double()
+    got, want = runs[1]["argmax_idx"].long(), runs[0]["argmax_idx"].long()
+    gap = (logits.gather(1, want) - logits.gather(1, got)).abs()
+    spread = logits.std(dim=1, keepdim=True)
+    worst = float((gap / spread).max())
+    return CheckRow("argmax_idx (near-ties allowed)", worst, BF16_TOL, worst <= BF16_TOL)
 
 
 def _compare(name: str, got: torch.Tensor, want: torch.Tensor) -> CheckRow:

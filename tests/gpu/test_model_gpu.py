@@ -50,7 +50,12 @@ def test_greedy_64_tokens_teacher_forced(preset: str) -> None:
     ref = ReferenceModel(cfg, weights, max_seq=shape.max_seq_len)
     seq = torch.tensor([prompt + tokens[:-1]])
     logits = ref.forward(seq, 0)[0, len(prompt) - 1:]
-    agree = (logits.argmax(-1) == torch.tensor(tokens)).float().mean().item()
+    # A step whose top-2 logits are within bf16 rounding (2% of their spread) may flip either
+    # way legitimately; agreement is required on every other step (at least 90% of them).
+    top = logits.topk(2, dim=-1).values
+    decisive = (top[:, 0] - top[:, 1]) > 0.02 * logits.std(dim=-1)
+    agree = (logits.argmax(-1) == torch.tensor(tokens))[decisive].float().mean().item()
+    assert decisive.float().mean() >= 0.9, f"too many near-ties (seed {seed})"
     assert agree >= 0.99, f"teacher-forced top-1 agreement {agree:.3f} (seed {seed})"
 
 

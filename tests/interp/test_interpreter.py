@@ -47,6 +47,21 @@ def test_logits_match_reference(preset: str) -> None:
     assert err < 1e-2, f"relative error {err:.3g} (seed {seed})"
 
 
+def test_long_context_plan_splits_attention() -> None:
+    """A long KV cache splits attention (partials + merge); tokens still match the reference."""
+    cfg = get_preset("tiny-llama")
+    seed = random.randrange(1 << 30)
+    weights = random_weights(cfg, seed=seed)
+    shape = DecodeShape(batch=2, steps_per_launch=8, page_size=16, max_pages=64, num_pages=128)
+    plan = make_plan(cfg, shape, num_sms=16)
+    assert "attention_merge" in plan.kinds
+    ex = executor(plan, order="random", seed=seed)
+    bind_all(ex, cfg, shape, weights, seed)
+    prompts = [[3, 1, 4, 1, 5], [9, 2]]
+    got = run_prompts(ex, shape, prompts, new_tokens=6)
+    assert got == ReferenceModel(cfg, weights, max_seq=64).generate_greedy(prompts, 6)
+
+
 def test_fused_and_unfused_plans_agree() -> None:
     cfg = get_preset("tiny-qwen3")
     seed = random.randrange(1 << 30)

@@ -22,6 +22,7 @@ from mpk.models.rope import rope_table
 from mpk.tensors import Role
 
 BF16, F32, I32 = DType.BF16, DType.F32, DType.I32
+SPLIT_POSITIONS = 256  # KV positions per attention split at the longest context
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,10 @@ def _attention_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: in
 def _attention(g: Graph, shape: DecodeShape, num_sms: int, p: str, layer: int, kvh: int,
                group: int, d: int) -> None:
     b = shape.batch
-    splits = max(1, min(16, num_sms // (kvh * b), shape.max_pages))
+    # Split the KV range only when contexts can be long: each split adds a merge phase, which
+    # costs more than it saves below a few hundred positions per (row, KV head).
+    splits = max(1, min(16, num_sms // (kvh * b), shape.max_pages,
+                        -(-shape.max_seq_len // SPLIT_POSITIONS)))
     ops = {"q": p + "q", "k_cache": f"k_cache.{layer}", "v_cache": f"v_cache.{layer}",
            "page_table": "page_table", "positions": "positions"}
     if splits == 1:
