@@ -78,3 +78,15 @@ def test_header_edit_changes_the_build_key(tmp_path: Path) -> None:
     assert key1 == build.build_key(source, "sm_90a", includes, (), nvcc)
     header.write_text("// v2\n")
     assert build.build_key(source, "sm_90a", includes, (), nvcc) != key1
+
+
+def test_qwen3_0_6b_megakernel_compiles_clean(cache_root: Path) -> None:
+    """The megakernel exactly as `mpk generate --model qwen3-0.6b --backend cuda` builds it."""
+    from mpk.compiler.lower import compile_graph
+    from mpk.models.builder import DecodeShape, build_graph
+    from mpk.models.config import get_preset
+
+    plan = compile_graph(build_graph(get_preset("qwen3-0.6b"), DecodeShape(batch=1)), 132)
+    result = build.build_plan(plan, arch="sm_90a", cache_root=cache_root)
+    assert_clean(result)
+    assert set(plan.kinds) <= set(all_kinds())
