@@ -75,3 +75,12 @@ def test_persistent_kernel_api_runs_a_layer() -> None:
     assert torch.allclose(kernel["y"], x.float() @ w.float().T, rtol=1e-5, atol=1e-4)
     with pytest.raises(AttributeError):
         pk.no_such_kind  # noqa: B018
+
+
+def test_in_place_layer_that_reads_other_tasks_tiles_is_rejected() -> None:
+    g = Graph()
+    g.add_tensor("x", (2, 64), DType.BF16, Role.IO)
+    g.add_tensor("w", (64, 64), DType.BF16, Role.WEIGHT)
+    with pytest.raises(GraphError, match="another task of the same layer"):
+        g.add_op("linear", "proj", (4,), {"x": "x", "weight": "w", "out": "x"})
+    g.add_op("linear", "one_task", (1,), {"x": "x", "weight": "w", "out": "x"})  # one task: fine

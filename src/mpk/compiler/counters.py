@@ -11,6 +11,7 @@ coarsened to totals.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,8 +54,8 @@ def assign_counters(num_tasks_per_op: list[int], edges: list[Edge]) -> CounterPl
         if not crowded - forced_total:
             break
         forced_total |= crowded
-    return CounterPlan(counts,
-                       [[(c, counts[c], prev) for c, prev in w] for w in waits], signals)
+    return CounterPlan(counts, [[(c, counts[c], prev) for c, prev in w] for w in waits],
+                       signals)
 
 
 def _make_counters(sizes: list[int], by_producer: dict[int, list[Edge]],
@@ -179,6 +180,8 @@ def _reduce(waits: list[list[Wait]], producers: list[list[int]], num_counters: i
                 for w in waits[t]:
                     acc |= closure(w)
             implied[c] = complete(acc) | piece_masks.get(c, 0)
+    if not _steps_chain(waits, producers, num_counters, closure):
+        raise AssertionError("a counter's producers could run a step ahead of each other")
     out: list[list[Wait]] = []
     for w in waits:
         keep = list(w)
@@ -188,6 +191,25 @@ def _reduce(waits: list[list[Wait]], producers: list[list[int]], num_counters: i
                 keep.remove(cand)
         out.append(keep)
     return out
+
+
+def _steps_chain(waits: list[list[Wait]], producers: list[list[int]], num_counters: int,
+                 closure: Callable[[Wait], int]) -> bool:
+    """Counting completions proves "all producers finished step g" only if no producer can
+    finish step g+1 first: each producer of a shared counter must (transitively) wait for that
+    counter's previous step before it runs again. Every in-step edge A -> B has a mirror edge
+    B(g) -> A(g+1) (A rewrites what B read, or B's writes are read/overwritten by A), so this
+    holds by construction; it is checked because the monotonic-counter protocol rests on it."""
+    for c, tasks in enumerate(producers):
+        if len(tasks) < 2:
+            continue  # one producer: its instances run in order on one SM
+        for t in tasks:
+            reach = 0
+            for w in waits[t]:
+                reach |= closure(w)
+            if not reach >> (c + num_counters) & 1:
+                return False
+    return True
 
 
 def _crowded_producers(waits: list[list[Wait]], ops: list[OpCounters]) -> set[int]:

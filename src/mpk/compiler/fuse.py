@@ -28,8 +28,8 @@ def fuse(graph: Graph) -> Graph:
         if not users or not all(_fusable_user(ops[j], out) for j in users):
             continue
         src = op.tensor_of("x")
-        if any(src in _written(ops[k]) for k in range(i + 1, max(users))):
-            continue
+        if any(src in _written(ops[k]) for k in range(i + 1, max(users) + 1)):
+            continue  # the input changes before (or, in place, by) a user: keep the norm
         for j in users:
             replaced[j] = _with_prologue(replaced.get(j, ops[j]), op)
         dropped.add(i)

@@ -18,6 +18,7 @@ import numpy as np
 
 from mpk.compiler import record
 from mpk.dtypes import DType
+from mpk.errors import MpkError
 from mpk.tasks.base import OpView
 from mpk.tensors import Role, TensorSpec
 
@@ -54,6 +55,10 @@ class Plan:
     counter_counts: np.ndarray  # int32 [num_counters]: signals per counter per step
     arena_bytes: int
     meta: dict[str, Any] = field(default_factory=dict)
+
+    def check_steps(self, num_steps: int) -> None:
+        if num_steps < 1:
+            raise MpkError(f"num_steps must be at least 1, got {num_steps}")
 
     # ---- lookups ---------------------------------------------------------------------------
     @property

@@ -74,6 +74,7 @@ class Graph:
         _check_splits(view)
         task.check(view)
         _check_partition(view, task)
+        _check_no_overlap_between_tasks(view, task)
         op = Op(name, kind, grid3, tuple((k, v.name) for k, v in tensors.items()),
                 tuple(full.items()), tuple(sorted(merged.items())))
         self.ops.append(op)
@@ -152,3 +153,31 @@ def _check_partition(view: OpView, task: Any) -> None:
             if view.grid[axis] > 1 and split[axis] is None:
                 raise view.error(f"grid axis {axis} ({view.grid[axis]} tasks) does not split "
                                  f"output {spec.name!r}: its tasks would write the same region")
+
+
+def _check_no_overlap_between_tasks(view: OpView, task: Any) -> None:
+    """Tasks of one op run in any order, so no task may touch what another task of the same op
+    writes (e.g. reading all of a tensor while tiles of it are overwritten in place)."""
+    import numpy as np
+
+    written = {view.tensors[s.name].name for s in task.operands
+               if s.access.writes and s.name in view.tensors}
+    points = [(i, j, k) for k in range(view.grid[2]) for j in range(view.grid[1])
+              for i in range(view.grid[0])]
+    for tensor in written:
+        operands = [name for name, t in view.tensors.items() if t.name == tensor]
+        if len(operands) < 2:
+            continue
+        boxes = {o: np.array([task.region(view, o, p) for p in points]) for o in operands}
+        for a in operands:
+            if not task.operand(a).access.writes:
+                continue
+            for b in operands:
+                lo = np.maximum(boxes[a][:, None, :, 0], boxes[b][None, :, :, 0])
+                hi = np.minimum(boxes[a][:, None, :, 1], boxes[b][None, :, :, 1])
+                hit = np.all(lo < hi, axis=-1)
+                np.fill_diagonal(hit, False)
+                if hit.any():
+                    raise view.error(f"operand {a!r} writes tensor '{tensor}' where another task "
+                                     f"of the same layer accesses it through {b!r}; write to a "
+                                     f"separate tensor")

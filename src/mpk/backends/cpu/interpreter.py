@@ -79,6 +79,7 @@ class CpuExecutor:
         return self.tensors[name].clone()
 
     def run(self, num_steps: int = 1) -> None:
+        self.plan.check_steps(num_steps)
         missing = [t.name for t in self.plan.tensors if t.name not in self.tensors]
         if missing:
             raise MpkError(f"bind these tensors before running: {', '.join(missing)}")

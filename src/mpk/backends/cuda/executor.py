@@ -6,7 +6,9 @@ Device state (all torch allocations on the executor's device):
   counters    int64 [num_counters], zero once and then monotonic (backends/base.py);
   error/abort the watchdog's report (codegen.ERROR_FIELDS) and the stop-everyone flag;
   instrs, lengths, op_params: uploaded once;
-  pointer table int64 [num_tensors] of base addresses, rebuilt when a binding changes.
+  pointer table int64 [num_tensors] of base addresses, rebuilt when a binding changes;
+  profile     (profile=True only) int64 [steps, num_sms, max_len, PROF_STAMPS] %globaltimer
+              stamps, allocated per run (codegen.PROFILE_STAMPS; read with last_profile()).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from mpk import env
@@ -33,9 +36,10 @@ class CudaExecutor:
 
     def __init__(self, plan: Plan, device: str | int | torch.device | None = None,
                  poison: bool = False, timeout_s: float | None = None, *,
-                 extra_includes: Sequence[Path] = ()) -> None:
+                 extra_includes: Sequence[Path] = (), profile: bool = False) -> None:
         """`extra_includes`: directories searched for <kind>/sm90.cuh before mpk/tasks (tests,
-        out-of-tree kinds)."""
+        out-of-tree kinds). `profile`: run the timestamped build (a separate nvcc build) and
+        keep every run's stamps for last_profile()."""
         self.plan = plan
         self.device = _cuda_device(device)
         props = torch.cuda.get_device_properties(self.device)
@@ -51,8 +55,13 @@ class CudaExecutor:
             raise MpkError(f"timeout_s must be positive, got {self.timeout_s}")
 
         arch = build.arch_for_capability(props.major, props.minor)
-        self.build = build.build_plan(plan, arch=arch, extra_includes=extra_includes)
+        self.profile = bool(profile)
+        self.build = build.build_plan(plan, arch=arch, extra_includes=extra_includes,
+                                      profile=self.profile)
         self.kernel = Megakernel(self.build.so_path)
+        if self.kernel.profiling != self.profile:
+            raise MpkError(f"{self.build.so_path} is {'' if self.kernel.profiling else 'not '}a "
+                           f"profiling build; delete it to rebuild")
         self.kernel_info: KernelInfo = self.kernel.kernel_info(self.device.index)
         if self.kernel_info.blocks_per_sm < 1:
             raise UnsupportedError(f"the megakernel does not fit on one SM "
@@ -82,6 +91,7 @@ class CudaExecutor:
             if t.offset >= 0:
                 self._views[i] = self._arena_view(t)
         self._ptr_table: torch.Tensor | None = None
+        self._profile: tuple[torch.Tensor, int] | None = None  # last run: stamps, step_begin
         self._dead: str | None = None  # why the executor refuses to run again
         self.step = 0  # global step of the next run
 
@@ -114,19 +124,24 @@ class CudaExecutor:
     def run(self, num_steps: int = 1) -> None:
         if self._dead is not None:
             raise MpkError(f"this CudaExecutor cannot run again: {self._dead}. Create a new one.")
-        if num_steps < 1:
-            raise MpkError(f"num_steps must be >= 1, got {num_steps}")
+        self.plan.check_steps(num_steps)
         missing = [t.name for i, t in enumerate(self.plan.tensors)
                    if i not in self._views and i not in self._bound]
         if missing:
             raise MpkError(f"bind these tensors before run(): {', '.join(missing)}")
+        stamps = None
+        if self.profile:  # zeros: a record that never ran (a stopped launch) keeps no stamps
+            stamps = torch.zeros((num_steps, self.plan.num_sms, self._max_len,
+                                  len(codegen.PROFILE_STAMPS)), dtype=torch.int64,
+                                 device=self.device)
         params = Params(
             instrs=self._instrs.data_ptr(), lengths=self._lengths.data_ptr(),
             op_params=self._op_params.data_ptr(), tensors=self._pointer_table().data_ptr(),
             counters=self.counters.data_ptr(), error=self._error.data_ptr(),
             abort_flag=self._abort.data_ptr(), sm_state=self._sm_state.data_ptr(),
             step_begin=self.step, num_steps=num_steps,
-            max_len=self._max_len, timeout_ns=int(self.timeout_s * 1e9))
+            max_len=self._max_len, timeout_ns=int(self.timeout_s * 1e9),
+            profile=None if stamps is None else stamps.data_ptr())
         stream = torch.cuda.current_stream(self.device)
         with torch.cuda.device(self.device):
             rc = self.kernel.launch(params, self.plan.num_sms, self.device.index,
@@ -143,7 +158,19 @@ class CudaExecutor:
         if err[codegen.ERROR_FIELDS["CODE"]] != 0:
             self._dead = "its megakernel was stopped by the watchdog, counters are inconsistent"
             raise self._failure(err)
+        if stamps is not None:  # copied to the host on request, outside any timed region
+            self._profile = (stamps, self.step)
         self.step += num_steps
+
+    def last_profile(self) -> tuple[np.ndarray, int]:
+        """The last run's stamps, int64 ns [steps, num_sms, max_len, PROF_STAMPS] (zero past an
+        SM's list length), and that run's first global step. Needs profile=True."""
+        if not self.profile:
+            raise MpkError("last_profile() needs CudaExecutor(..., profile=True)")
+        if self._profile is None:
+            raise MpkError("last_profile(): no run has finished yet")
+        stamps, step_begin = self._profile
+        return stamps.cpu().numpy(), step_begin
 
     # ---- extras ----------------------------------------------------------------------------
     def tensor(self, name: str) -> torch.Tensor:
