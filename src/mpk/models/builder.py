@@ -6,11 +6,16 @@ weight-streaming op spreads evenly over the GPU.
 
 Weights use graph names; `graph_weights` turns Hugging Face tensors into them (fused QKV grouped
 per KV head, stacked gate/up, the RoPE table).
+
+With `tp` (mpk.parallel.TensorParallel) both build ONE RANK's share of a tensor-parallel model:
+its KV heads and MLP columns, and o_proj / down_proj writing an f32 partial that an `allreduce`
+op sums over the ranks (adding the residual once). tp=None builds exactly the single-GPU graph.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +25,9 @@ from mpk.graph.graph import Graph
 from mpk.models.config import ModelConfig
 from mpk.models.rope import rope_table
 from mpk.tensors import Role
+
+if TYPE_CHECKING:  # models/ stays below parallel/: the builder only calls tp's methods
+    from mpk.parallel.tp import TensorParallel
 
 BF16, F32, I32 = DType.BF16, DType.F32, DType.I32
 SPLIT_POSITIONS = 256  # KV positions per attention split at the longest context
@@ -62,8 +70,10 @@ def choose_split(rows: int, target_tasks: int, multiple: int = 8) -> int:
 
 
 def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = 132,
-                layers: range | None = None) -> Graph:
+                layers: range | None = None, tp: TensorParallel | None = None) -> Graph:
     layers = range(cfg.num_layers) if layers is None else layers
+    if tp is not None:
+        tp.check(cfg)
     g = Graph()
     b, h, d = shape.batch, cfg.hidden_size, cfg.head_dim
     kvh, group, inter = cfg.num_kv_heads, cfg.group, cfg.intermediate_size
@@ -78,8 +88,8 @@ def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = 132,
     g.add_op("embedding", "embed", (choose_split(h, max(1, h // 256), 64),),
              {"tokens": "tokens", "prompt": "prompt", "table": "embed", "out": "hidden"})
     for layer in layers:
-        _attention_block(g, cfg, shape, num_sms, layer)
-        _mlp_block(g, cfg, shape, num_sms, layer)
+        _attention_block(g, cfg, shape, num_sms, layer, tp)
+        _mlp_block(g, cfg, shape, num_sms, layer, tp)
     g.add_tensor("final_norm", (h,), BF16, Role.WEIGHT)
     g.add_tensor("lm_head", (cfg.vocab_size, h), BF16, Role.WEIGHT)
     g.add_tensor("final_hidden", (b, h), BF16, Role.ACTIVATION)
@@ -99,14 +109,16 @@ def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = 132,
 
 
 def _attention_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int,
-                     layer: int) -> None:
+                     layer: int, tp: TensorParallel | None = None) -> None:
     p = f"layers.{layer}."
     b, h, d = shape.batch, cfg.hidden_size, cfg.head_dim
-    kvh, group = cfg.num_kv_heads, cfg.group
+    # This rank's KV heads (all of them without tp); their query heads come along (GQA groups).
+    kvh = cfg.num_kv_heads if tp is None else tp.local_kv_heads(cfg)
+    group = cfg.group
     width = (group + 2) * d
     g.add_tensor(p + "input_norm", (h,), BF16, Role.WEIGHT)
     g.add_tensor(p + "qkv_weight", (kvh, width, h), BF16, Role.WEIGHT)
-    g.add_tensor(p + "o_weight", (h, cfg.num_heads * d), BF16, Role.WEIGHT)
+    g.add_tensor(p + "o_weight", (h, kvh * group * d), BF16, Role.WEIGHT)
     cache = (shape.num_pages, shape.page_size, kvh, d)
     g.add_tensor(f"k_cache.{layer}", cache, BF16, Role.IO)
     g.add_tensor(f"v_cache.{layer}", cache, BF16, Role.IO)
@@ -128,8 +140,8 @@ def _attention_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: in
     g.add_op("qk_rope_append", p + "rope", (kvh,), rope_ops, eps=cfg.rms_eps)
     _attention(g, shape, num_sms, p, layer, kvh, group, d)
     o_tiles = choose_split(h, num_sms)
-    g.add_op("linear", p + "o_proj", (o_tiles,), {"x": p + "attn", "weight": p + "o_weight",
-                                                  "residual": "hidden", "out": "hidden"})
+    _row_linear(g, shape, cfg, tp, p + "o_proj", p + "attn", p + "o_weight", o_tiles,
+                p + "attn_partial", p + "attn_allreduce")
 
 
 def _attention(g: Graph, shape: DecodeShape, num_sms: int, p: str, layer: int, kvh: int,
@@ -152,9 +164,11 @@ def _attention(g: Graph, shape: DecodeShape, num_sms: int, p: str, layer: int, k
              {"part_o": p + "part_o", "part_lse": p + "part_lse", "out": p + "attn"})
 
 
-def _mlp_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int, layer: int) -> None:
+def _mlp_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int, layer: int,
+               tp: TensorParallel | None = None) -> None:
     p = f"layers.{layer}."
-    b, h, inter = shape.batch, cfg.hidden_size, cfg.intermediate_size
+    b, h = shape.batch, cfg.hidden_size
+    inter = cfg.intermediate_size if tp is None else tp.local_intermediate(cfg)
     g.add_tensor(p + "post_norm", (h,), BF16, Role.WEIGHT)
     g.add_tensor(p + "gate_up_weight", (2, inter, h), BF16, Role.WEIGHT)
     g.add_tensor(p + "down_weight", (h, inter), BF16, Role.WEIGHT)
@@ -168,13 +182,32 @@ def _mlp_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int, lay
              {"x": p + "mlp_norm", "weight": p + "gate_up_weight", "out": p + "gate_up"})
     g.add_op("silu_mul", p + "silu_mul", (choose_split(inter, max(1, num_sms // 4), 64),),
              {"x": p + "gate_up", "out": p + "act"})
-    g.add_op("linear", p + "down", (choose_split(h, num_sms),),
-             {"x": p + "act", "weight": p + "down_weight", "residual": "hidden", "out": "hidden"})
+    _row_linear(g, shape, cfg, tp, p + "down", p + "act", p + "down_weight",
+                choose_split(h, num_sms), p + "mlp_partial", p + "mlp_allreduce")
+
+
+def _row_linear(g: Graph, shape: DecodeShape, cfg: ModelConfig, tp: TensorParallel | None,
+                name: str, x: str, weight: str, tiles: int, partial: str, reduce: str) -> None:
+    """hidden += x @ weight^T: in place on one GPU; with tp, this rank's K slice writes an f32
+    partial and `allreduce` adds the sum of all ranks' partials (and the residual, once)."""
+    if tp is None:
+        g.add_op("linear", name, (tiles,), {"x": x, "weight": weight, "residual": "hidden",
+                                            "out": "hidden"})
+        return
+    # f32, unrounded: the ranks' partials must sum to the full fp32 product, which allreduce then
+    # rounds once, as the single-rank linear does (bf16 partials would round G times).
+    g.add_tensor(partial, (shape.batch, cfg.hidden_size), F32, Role.ACTIVATION)
+    g.add_op("linear", name, (tiles,), {"x": x, "weight": weight, "out": partial})
+    # The same H tiles as the linear: allreduce tile i waits on producer tile i of every rank.
+    g.add_op("allreduce", reduce, (tiles,), {"partial": partial, "residual": "hidden",
+                                             "out": "hidden"}, ranks=tp.size)
 
 
 def graph_weights(cfg: ModelConfig, hf: dict[str, torch.Tensor], max_pos: int,
-                  layers: range | None = None) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors -> the graph's weight tensors (done once at load)."""
+                  layers: range | None = None,
+                  tp: TensorParallel | None = None) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors -> the graph's weight tensors (done once at load); with `tp`, the
+    share of rank tp.rank (column / row slices, replicated norms, embedding and lm_head)."""
     layers = range(cfg.num_layers) if layers is None else layers
     kvh, group, d, h = cfg.num_kv_heads, cfg.group, cfg.head_dim, cfg.hidden_size
     embed = hf["model.embed_tokens.weight"]
@@ -196,4 +229,7 @@ def graph_weights(cfg: ModelConfig, hf: dict[str, torch.Tensor], max_pos: int,
         if cfg.qk_norm:
             out[dst + "q_norm"] = hf[src + "self_attn.q_norm.weight"]
             out[dst + "k_norm"] = hf[src + "self_attn.k_norm.weight"]
+    if tp is not None:
+        tp.check(cfg)
+        return tp.shard_weights(out)
     return {name: t.contiguous() for name, t in out.items()}

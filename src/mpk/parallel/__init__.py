@@ -1,0 +1,12 @@
+"""Tensor parallelism over the GPUs of one host: sharding, per-rank plans, the CPU simulation.
+
+See docs/tensor-parallel.md. The CUDA side (an all-reduce device function with cross-GPU
+counters, the torchrun launcher) is not written yet.
+"""
+
+from mpk.parallel.cpu import CrossRankHazardError, FullModelExecutor, MultiRankCpuExecutor
+from mpk.parallel.plans import rank_plans
+from mpk.parallel.tp import TensorParallel, shard_dim, unshard
+
+__all__ = ["CrossRankHazardError", "FullModelExecutor", "MultiRankCpuExecutor", "TensorParallel",
+           "rank_plans", "shard_dim", "unshard"]

@@ -1,0 +1,280 @@
+"""MultiRankCpuExecutor: G tensor-parallel ranks on the CPU interpreter, with a simulated all-reduce.
+
+Each rank is a plain CpuExecutor over its own Plan (its own tensors, poisoned activations and
+dependency counters); this class only decides WHICH rank's task runs next and hands `allreduce`
+tasks the peers' partials. The one rule it adds to the per-rank counters is the cross-rank wait
+a real multi-GPU megakernel needs:
+
+    an allreduce task of global step g (on any rank) runs only after, on EVERY rank, each task
+    that writes the part of `partial` it reads has completed its step-g instance.
+
+That is exactly what a per-tile cross-GPU counter with a `>= (g + 1) * count` wait would enforce.
+The reverse hazard (a rank overwriting its partial with step g+1 before a slower peer has read
+step g) needs no wait: a rank's next write to a partial buffer depends, through the hidden state,
+on an all-reduce that needs every peer past its read (docs/tensor-parallel.md); the simulator
+CHECKS that claim on every all-reduce it runs and raises CrossRankHazardError if it is violated.
+
+Orders: "schedule" always advances the lowest (rank, SM) that can run, so rank 0 races as far
+ahead of its peers as the waits allow (the adversarial case for a missing wait); "random" picks
+a random runnable (rank, SM) each time (seeded).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from mpk.backends.cpu.interpreter import CpuExecutor
+from mpk.compiler import record
+from mpk.compiler.plan import Plan
+from mpk.errors import MpkError
+from mpk.parallel.tp import TensorParallel, shard_dim, unshard
+from mpk.tasks.base import Tile
+from mpk.tasks.registry import get_kind
+
+ORDERS = ("schedule", "random")
+REDUCE_KIND = "allreduce"
+
+
+class CrossRankHazardError(MpkError):
+    """A rank overwrote a partial before a peer's all-reduce of the previous step read it."""
+
+
+def _points(grid: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    # Task order inside an op, as the compiler numbers tasks: grid axis 0 fastest.
+    return [(i, j, k) for k in range(grid[2]) for j in range(grid[1]) for i in range(grid[0])]
+
+
+def _overlaps(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> bool:
+    return all(lo_a < hi_b and lo_b < hi_a for (lo_a, hi_a), (lo_b, hi_b) in zip(a, b))
+
+
+class MultiRankCpuExecutor:
+    """Runs `plans[r]` as rank r of len(plans) tensor-parallel ranks, launch by launch.
+
+    `cross_rank_wait=False` drops the simulated all-reduce wait (an allreduce then reads whatever
+    its peers' partial buffers hold): only for tests that prove the wait is needed.
+    """
+
+    def __init__(self, plans: Sequence[Plan], order: str = "schedule", seed: int | None = None,
+                 poison: bool = True, cross_rank_wait: bool = True) -> None:
+        if order not in ORDERS:
+            raise MpkError(f"unknown order {order!r}; use one of {ORDERS}")
+        if not plans:
+            raise MpkError("MultiRankCpuExecutor needs at least one plan")
+        self.plans = list(plans)
+        self.size = len(self.plans)
+        self.order = order
+        self.rng = random.Random(seed)
+        self.cross_rank_wait = cross_rank_wait
+        # The per-rank order is never used (this class schedules); each rank keeps its tensors,
+        # counters and step number in its own CpuExecutor.
+        self.ranks = [CpuExecutor(plan, poison=poison) for plan in self.plans]
+        self._done = [np.zeros(plan.num_tasks, dtype=np.int64) for plan in self.plans]
+        # rank -> allreduce task -> [(peer rank, peer's matching task, peer's producer tasks)]
+        self._reduces: list[dict[int, list[tuple[int, int, list[int]]]]] = []
+        self._producers: list[set[int]] = []  # rank -> tasks writing some allreduce's partial
+        self._link_ranks()
+
+    # ---- per-rank Executor operations --------------------------------------------------------
+    def bind(self, rank: int, name: str, tensor: torch.Tensor) -> None:
+        self._rank(rank).bind(name, tensor)
+
+    def write(self, rank: int, name: str, value: torch.Tensor) -> None:
+        self._rank(rank).write(name, value)
+
+    def read(self, rank: int, name: str) -> torch.Tensor:
+        return self._rank(rank).read(name)
+
+    def as_executor(self) -> FullModelExecutor:
+        """The G ranks seen as ONE executor of the unsharded model (the Executor protocol)."""
+        return FullModelExecutor(self)
+
+    def run(self, num_steps: int = 1) -> None:
+        """Run global steps g .. g+num_steps-1 on every rank (one launch per GPU)."""
+        for r, ex in enumerate(self.ranks):
+            missing = [t.name for t in ex.plan.tensors if t.name not in ex.tensors]
+            if missing:
+                raise MpkError(f"rank {r}: bind these tensors before running: "
+                               f"{', '.join(missing)}")
+        if len({ex.step_begin for ex in self.ranks}) != 1:
+            raise MpkError("ranks are at different steps; run them only through this executor")
+        views = [ex._task_views() for ex in self.ranks]  # the interpreter's own tile views
+        peers = self._peer_views(views)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as CpuExecutor.run: tiles are too small for intra-op threads
+        try:
+            self._run_steps(num_steps, views, peers)
+        finally:
+            torch.set_num_threads(threads)
+        for ex in self.ranks:
+            ex.step_begin += num_steps
+
+    # ---- the interleaved schedule ------------------------------------------------------------
+    def _run_steps(self, num_steps: int, views: list[dict], peers: list[dict]) -> None:
+        lengths = [[int(x) for x in plan.lengths] for plan in self.plans]
+        pos = [[0] * plan.num_sms for plan in self.plans]
+        total = [[num_steps * n for n in row] for row in lengths]
+        ready = [(r, sm) for r in range(self.size) for sm in range(self.plans[r].num_sms)
+                 if total[r][sm]]
+        blocked: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (rank, counter) -> SMs
+        cross_blocked: list[tuple[int, int]] = []  # SMs whose next task waits on a peer rank
+        while ready:
+            k = self.rng.randrange(len(ready)) if self.order == "random" else 0
+            r, sm = ready[k]
+            ex = self.ranks[r]
+            step, i = divmod(pos[r][sm], lengths[r][sm])
+            rec = self.plans[r].instrs[sm, i]
+            gstep = ex.step_begin + step
+            missing = ex.counters.unmet(rec, gstep)
+            if missing is not None:
+                ready.pop(k)
+                blocked.setdefault((r, missing), []).append((r, sm))
+                continue
+            task = int(rec[record.TASK])
+            if self.cross_rank_wait and task in self._reduces[r] and \
+                    not self._peers_done(r, task, gstep):
+                ready.pop(k)
+                cross_blocked.append((r, sm))
+                continue
+            self._execute(r, rec, step, views[r][task], peers[r].get(task))
+            self._done[r][task] += 1
+            for c in ex.counters.signal(rec):
+                ready.extend(blocked.pop((r, c), []))
+            if task in self._producers[r] and cross_blocked:
+                ready.extend(cross_blocked)  # a partial appeared: re-check the waiting reduces
+                cross_blocked.clear()
+            pos[r][sm] += 1
+            if pos[r][sm] == total[r][sm]:
+                ready.remove((r, sm))
+        stuck = [(r, sm) for r in range(self.size) for sm in range(len(pos[r]))
+                 if pos[r][sm] < total[r][sm]]
+        if stuck:
+            raise RuntimeError(f"multi-rank interpreter stalled: (rank, SM) {stuck[:8]} can "
+                               f"never advance")
+
+    def _peers_done(self, r: int, task: int, gstep: int) -> bool:
+        """Every rank's producers of this allreduce tile have run step gstep, and none later."""
+        for q, _, producers in self._reduces[r][task]:
+            for p in producers:
+                done = int(self._done[q][p])
+                if done < gstep + 1:
+                    return False
+                if done > gstep + 1:
+                    raise CrossRankHazardError(
+                        f"rank {q} ran {self.plans[q].task_name(p)} for step {done - 1} before "
+                        f"rank {r}'s {self.plans[r].task_name(task)} read its step-{gstep} "
+                        f"partial: the partial buffer needs a second copy (double buffering)")
+        return True
+
+    def _execute(self, r: int, rec: np.ndarray, step: int, views: dict[str, torch.Tensor],
+                 peers: list[torch.Tensor] | None) -> None:
+        ex = self.ranks[r]
+        point = tuple(int(x) for x in rec[record.POINT: record.POINT + 3])
+        extra: dict[str, Any] = {} if peers is None else {"peers": peers}
+        tile = Tile(ex._op_views[int(rec[record.OP])], point, views, step,  # type: ignore[arg-type]
+                    extra)
+        ex._kinds[int(rec[record.KIND])].reference(tile)
+
+    def _peer_views(self, views: list[dict]) -> list[dict[int, list[torch.Tensor]]]:
+        """rank -> allreduce task -> the same tile of `partial` in every rank, in rank order."""
+        return [{task: [views[q][peer]["partial"] for q, peer, _ in links]
+                 for task, links in self._reduces[r].items()} for r in range(self.size)]
+
+    # ---- set-up ------------------------------------------------------------------------------
+    def _link_ranks(self) -> None:
+        """Match every allreduce tile with its twin and the partial's producers on each rank."""
+        names = [{op.name: i for i, op in enumerate(plan.ops) if op.kind == REDUCE_KIND}
+                 for plan in self.plans]
+        if any(set(n) != set(names[0]) for n in names):
+            raise MpkError("the rank plans have different allreduce ops: compile every rank from "
+                           "the same model, shape and tensor parallel size")
+        for r, plan in enumerate(self.plans):
+            reduces: dict[int, list[tuple[int, int, list[int]]]] = {}
+            producers: set[int] = set()
+            for name, index in names[r].items():
+                op = plan.ops[index]
+                ranks = dict(op.attrs)["ranks"]
+                if ranks != self.size:
+                    raise MpkError(f"rank {r}: allreduce {name!r} sums {ranks} ranks, but "
+                                   f"{self.size} plans were given")
+                for local, point in enumerate(_points(op.grid)):
+                    links = []
+                    for q, peer_plan in enumerate(self.plans):
+                        peer_op = peer_plan.ops[names[q][name]]
+                        if peer_op.grid != op.grid:
+                            raise MpkError(f"allreduce {name!r}: grid {op.grid} on rank {r}, "
+                                           f"{peer_op.grid} on rank {q}")
+                        peer = peer_op.first_task + local
+                        links.append((q, peer, _producers(peer_plan, names[q][name], point)))
+                    reduces[op.first_task + local] = links
+                producers.update(_producers(plan, index, None))
+            self._reduces.append(reduces)
+            self._producers.append(producers)
+
+    def _rank(self, rank: int) -> CpuExecutor:
+        if not 0 <= rank < self.size:
+            raise MpkError(f"rank {rank} is outside [0, {self.size})")
+        return self.ranks[rank]
+
+
+def _producers(plan: Plan, reduce_op: int, point: tuple[int, int, int] | None) -> list[int]:
+    """Tasks of `plan` that write the region of `partial` that allreduce task `point` of op
+    `reduce_op` reads (point None: any region)."""
+    view = plan.op_view(reduce_op)
+    tensor = view.tensors["partial"].name
+    want = None if point is None else get_kind(REDUCE_KIND).region(view, "partial", point)
+    out = []
+    for index, op in enumerate(plan.ops):
+        kind = get_kind(op.kind)
+        opview = plan.op_view(index)
+        for operand, tid in op.operands:
+            if plan.tensors[tid].name != tensor or not kind.operand(operand).access.writes:
+                continue
+            for local, p in enumerate(_points(op.grid)):
+                if want is None or _overlaps(kind.region(opview, operand, p), want):
+                    out.append(op.first_task + local)
+    return out
+
+
+class FullModelExecutor:
+    """G ranks as one Executor of the full model: bind / write take FULL tensors and give each
+    rank its shard (a copy: each GPU owns its memory); read gathers sharded tensors and, for
+    everything else, insists that every rank holds the same bytes (logits, tokens: the
+    replicated state must never diverge). Rank-local activations: use MultiRankCpuExecutor.read."""
+
+    def __init__(self, ranks: MultiRankCpuExecutor) -> None:
+        self.ranks = ranks
+        self.plan = ranks.plans[0]  # tensor names and roles are the same on every rank
+        self._tp = TensorParallel.all(ranks.size)
+
+    def bind(self, name: str, tensor: torch.Tensor) -> None:
+        for tp in self._tp:
+            self.ranks.bind(tp.rank, name, tp.shard(name, tensor).contiguous())
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        for tp in self._tp:
+            self.ranks.write(tp.rank, name, tp.shard(name, value).contiguous())
+
+    def read(self, name: str) -> torch.Tensor:
+        parts = [self.ranks.read(tp.rank, name) for tp in self._tp]
+        if shard_dim(name) is not None:
+            return unshard(name, parts)
+        first = _bytes(parts[0])
+        for r, part in enumerate(parts[1:], start=1):
+            if not torch.equal(first, _bytes(part)):
+                raise MpkError(f"tensor {name!r} differs between rank 0 and rank {r}: it is "
+                               f"rank-local (read it per rank) or the replicated state diverged")
+        return parts[0]
+
+    def run(self, num_steps: int = 1) -> None:
+        self.ranks.run(num_steps)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of `t` (so NaN == NaN, -0.0 != 0.0: bit-identical means identical)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
