@@ -154,6 +154,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed decode steps per repeat (default: 200)")
     b.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     b.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+    pr = command("profile", "Profile one launch on the GPU: a Perfetto trace (one track per SM), "
+                            "an SM x time picture and a per-kind table.", (
+        "  mpk profile --model qwen3-0.6b\n"
+        "  mpk profile --model llama-3.2-1b --steps 16 --out prof/llama --json"), _cmd_profile)
+    _add_model_args(pr)
+    pr.add_argument("--steps", type=_positive, default=200, metavar="N",
+                    help="decode steps per launch, profiled and timed (default: 200, as "
+                         "`mpk bench --new-tokens`, so the two compare directly)")
+    pr.add_argument("--batch", type=_positive, default=1, metavar="B",
+                    help="sequences decoded together (default: 1)")
+    pr.add_argument("--out", metavar="DIR", default=None,
+                    help="folder for trace.json, sm_timeline.png, kinds.json "
+                         "(default: mpk-profile/MODEL)")
+    pr.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    pr.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     return parser
 
 
@@ -354,9 +370,6 @@ def _check_row(row: Any) -> dict[str, Any]:
     return {"tensor": str(values[0]), "rel_err": float(values[1]), "tolerance": float(values[2]),
             "passed": bool(values[3])}
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 # ---- mpk bench -------------------------------------------------------------------------------
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -394,3 +407,43 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(f"MPK compile: plan {decoder.plan_s:.1f} s, nvcc {decoder.build_s:.1f} s (cached "
               f"after the first run); first 16 greedy tokens agree: {same}/{len(mpk_tokens)}")
     return 0
+
+
+# ---- mpk profile -----------------------------------------------------------------------------
+def _cmd_profile(args: argparse.Namespace) -> int:
+    import torch
+
+    from mpk.errors import UnsupportedError
+
+    if not torch.cuda.is_available():
+        raise UnsupportedError("mpk profile needs a CUDA GPU (torch.cuda is unavailable here)")
+    from mpk.profile.run import profile_model, summary_lines
+    from mpk.profile.table import render_table
+
+    if args.checkpoint:
+        from mpk.models.weights import load_checkpoint
+
+        cfg, weights = load_checkpoint(args.checkpoint)
+        weights = {k: v.cuda() for k, v in weights.items()}
+        model = cfg.name or args.checkpoint
+    else:
+        from mpk.models.config import get_preset
+        from mpk.models.weights import random_weights
+
+        cfg = get_preset(args.model)
+        weights = random_weights(cfg, args.seed, "cuda")
+        model = args.model
+    out = args.out or f"mpk-profile/{str(model).strip('/').replace('/', '_')}"
+    result = profile_model(cfg, args.steps, weights=weights, batch=args.batch, seed=args.seed,
+                           out_dir=out)
+    if args.json:
+        print(json.dumps(result.summary, default=str))
+        return 0
+    _console().print(render_table(result.table))
+    for line in summary_lines(result):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

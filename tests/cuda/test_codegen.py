@@ -96,9 +96,11 @@ def test_source_depends_only_on_kinds() -> None:
 
 
 def test_params_struct_layout() -> None:
-    # mpk::Params: 8 pointers, then step_begin, num_steps, max_len, timeout_ns (x86-64 / aarch64).
-    assert ctypes.sizeof(Params) == 88
+    # mpk::Params: 8 pointers, then step_begin, num_steps, max_len, timeout_ns, profile
+    # (x86-64 / aarch64).
+    assert ctypes.sizeof(Params) == 96
     assert Params.step_begin.offset == 64 and Params.timeout_ns.offset == 80
+    assert Params.profile.offset == 88
 
 
 def test_arch_selection() -> None:

@@ -186,13 +186,15 @@ def compile_source(source: str, *, arch: str | None = None, extra_includes: Sequ
 
 
 def build_plan(plan: Plan, *, arch: str | None = None, extra_includes: Sequence[Path] = (),
-               cache_root: Path | None = None) -> BuildResult:
-    """Render and compile the megakernel for `plan`; a clear error names kinds without code."""
+               cache_root: Path | None = None, profile: bool = False) -> BuildResult:
+    """Render and compile the megakernel for `plan`; a clear error names kinds without code.
+    `profile`: the timestamped build (codegen emits MPK_PROFILE into the source, so it has its
+    own cache key and never replaces the default build)."""
     missing = codegen.missing_kernels(plan.kinds, extra_includes)
     if missing:
         raise CompileError(f"no CUDA code ({codegen.ARCH_SUFFIX}.cuh) for task kind(s) "
                            f"{', '.join(missing)} used by this plan")
-    return compile_source(codegen.render(plan), arch=arch, extra_includes=extra_includes,
+    return compile_source(codegen.render(plan, profile), arch=arch, extra_includes=extra_includes,
                           cache_root=cache_root)
 
 

@@ -1,6 +1,8 @@
 """Renders the megakernel source for a Plan from csrc/megakernel.cu.in.
 
-The template has four holes, all filled from data, never from hand-kept lists:
+The template has five holes, all filled from data, never from hand-kept lists:
+  OPTIONS    `#define MPK_PROFILE 1` in the profiling build (per-record timer stamps), else a
+             comment: the macro is the only difference between the two builds;
   CONSTANTS  record layout (record.layout_constants() as REC_<NAME>), runtime sizes, the error
              buffer layout (ERROR_FIELDS below, shared with the executor) and the ABI version;
   KINDS      for each kind of the plan (kind id = index in plan.kinds): its operand slots
@@ -8,8 +10,8 @@ The template has four holes, all filled from data, never from hand-kept lists:
              `#include "<kind>/sm90.cuh"` (resolved against mpk/tasks);
   DISPATCH   `case <kind id>: mpk::kinds::<kind>::run(a); break;`;
   KIND_NAMES the kind-name table for profilers and error messages.
-The rendered source depends only on the plan's kinds (in order), not on its tables, so one
-build serves every plan that uses the same kinds.
+The rendered source depends only on the plan's kinds (in order) and the profiling flag, not on
+its tables, so one build serves every plan that uses the same kinds.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ CSRC_DIR = Path(__file__).parent / "csrc"
 TEMPLATE = CSRC_DIR / "megakernel.cu.in"
 
 # Bump when Params, the error buffer or the exported host functions change meaning.
-ABI_VERSION = 1
+ABI_VERSION = 2  # 2: Params.profile
 NUM_THREADS = 256
 SMEM_BYTES = 200 * 1024  # dynamic shared memory per CTA, all of it handed to the running task
 ARCH_SUFFIX = "sm90"  # which <kind>/<arch>.cuh the kinds are included from
@@ -56,6 +58,14 @@ SM_STATE_FIELDS: dict[str, int] = {"STATUS": 0, "INDEX": 1, "STEP": 2, "WAIT": 3
 SM_STATE_WORDS = 4
 SM_STATUS: dict[str, int] = {"WAITING": 1, "BAD_KIND": 2}
 
+# The per-record timer stamps of a profiling build (emitted as PROF_<NAME>, PROF_STAMPS): the
+# runtime writes profile[step][sm][index][stamp] with these stamp indices.
+PROFILE_STAMPS: dict[str, int] = {
+    "WAIT": 0,  # thread 0 starts the record: before the L2 prefetch issue and its waits
+    "RUN": 1,  # its waits are met and the CTA passed the barrier after them: the task starts
+    "END": 2,  # the task ran and its signals are issued
+}
+
 _HOLE = re.compile(r"@@([A-Z_]+)@@")
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -80,6 +90,9 @@ def constants_block() -> str:
               for name, value in SM_STATE_FIELDS.items()]
     lines += [f"inline constexpr int SMS_STATUS_{name} = {value};"
               for name, value in SM_STATUS.items()]
+    lines.append(f"inline constexpr int PROF_STAMPS = {len(PROFILE_STAMPS)};")
+    lines += [f"inline constexpr int PROF_{name} = {value};"
+              for name, value in PROFILE_STAMPS.items()]
     return "\n".join(lines)
 
 
@@ -116,11 +129,19 @@ def kind_names_block(kinds: Sequence[str]) -> str:
             f"nullptr}};")
 
 
-def render_kinds(kinds: Sequence[str]) -> str:
-    """The megakernel source for a tuple of kind names (kind id = position)."""
+def options_block(profile: bool) -> str:
+    if profile:
+        return "#define MPK_PROFILE 1  // stamp every record into Params::profile"
+    return "// none: profiling compiled out"
+
+
+def render_kinds(kinds: Sequence[str], profile: bool = False) -> str:
+    """The megakernel source for a tuple of kind names (kind id = position); `profile` selects
+    the timestamped build."""
     if len(set(kinds)) != len(kinds):
         raise CompileError(f"duplicate kinds in {list(kinds)}")
     holes = {
+        "OPTIONS": options_block(profile),
         "CONSTANTS": constants_block(),
         "KINDS": "\n\n".join(kind_block(i, name) for i, name in enumerate(kinds)),
         "DISPATCH": dispatch_block(kinds),
@@ -133,9 +154,9 @@ def render_kinds(kinds: Sequence[str]) -> str:
     return _HOLE.sub(lambda m: holes[m.group(1)], template)
 
 
-def render(plan: Plan) -> str:
-    """The megakernel .cu source for `plan` (depends only on plan.kinds)."""
-    return render_kinds(plan.kinds)
+def render(plan: Plan, profile: bool = False) -> str:
+    """The megakernel .cu source for `plan` (depends only on plan.kinds and `profile`)."""
+    return render_kinds(plan.kinds, profile)
 
 
 def missing_kernels(kinds: Sequence[str], extra_dirs: Sequence[Path] = ()) -> list[str]:

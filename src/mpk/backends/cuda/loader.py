@@ -28,6 +28,7 @@ class Params(ctypes.Structure):
         ("num_steps", ctypes.c_int),
         ("max_len", ctypes.c_int),
         ("timeout_ns", ctypes.c_longlong),
+        ("profile", ctypes.c_void_p),  # profiling builds only; null otherwise
     ]
 
 
@@ -65,6 +66,9 @@ class Megakernel:
             getattr(lib, name).argtypes = []
             getattr(lib, name).restype = ctypes.c_int
         self._check_abi()
+        # After the ABI check: a stale (ABI 1) library lacks it and must fail with that message.
+        lib.mpk_profile_enabled.argtypes = []
+        lib.mpk_profile_enabled.restype = ctypes.c_int
 
     def _check_abi(self) -> None:
         expected = {
@@ -106,3 +110,8 @@ class Megakernel:
     @property
     def smem_bytes(self) -> int:
         return int(self._lib.mpk_smem_bytes())
+
+    @property
+    def profiling(self) -> bool:
+        """True for a build with MPK_PROFILE (it writes Params.profile)."""
+        return bool(self._lib.mpk_profile_enabled())

@@ -57,6 +57,14 @@ extern "C" int mpk_params_bytes() { return (int)sizeof(mpk::Params); }
 extern "C" int mpk_error_words() { return ERR_WORDS; }
 extern "C" int mpk_num_threads() { return NUM_THREADS; }
 extern "C" int mpk_smem_bytes() { return SMEM_BYTES; }
+// 1 when built with MPK_PROFILE (Params::profile is written), else 0.
+extern "C" int mpk_profile_enabled() {
+#ifdef MPK_PROFILE
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 // Kind names by kind id (for profilers and error messages); nullptr past the end.
 extern "C" int mpk_num_kinds() { return MPK_NUM_KINDS; }

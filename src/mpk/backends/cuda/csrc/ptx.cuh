@@ -28,7 +28,7 @@ __device__ __forceinline__ void red_release_add_u64(unsigned long long* p, unsig
   asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-// Nanosecond wall clock shared by all SMs (used only by the watchdog).
+// Nanosecond wall clock shared by all SMs (the watchdog, and the stamps of profiling builds).
 __device__ __forceinline__ unsigned long long globaltimer() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

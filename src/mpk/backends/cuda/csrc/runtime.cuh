@@ -13,6 +13,9 @@
 //       __syncthreads; all threads run the task; __syncthreads;
 //       thread 0: __threadfence, then red.release.gpu add 1 to each signal counter.
 //   Counters are never reset: they are monotonic over the executor's lifetime.
+//   Profiling builds (MPK_PROFILE) also stamp %globaltimer per record into Params::profile:
+//   WAIT before the prefetch and the waits, RUN after the barrier that follows them, END after
+//   the signals (mpk/profile/timeline.py reads them).
 //
 // MEMORY-ORDERING CONTRACT FOR TASK KERNELS (sm90.cuh authors, read this):
 //   * Only thread 0 performs the acquire; the CTA-wide __syncthreads that follows orders the
@@ -49,6 +52,9 @@ struct Params {
   int num_steps;
   int max_len;                   // row stride of instrs, in records
   long long timeout_ns;          // watchdog: the longest one wait may spin
+  // [num_steps, num_sms, max_len, PROF_STAMPS] %globaltimer ns, written only by MPK_PROFILE
+  // builds (null otherwise; the default build compiles every stamp out).
+  unsigned long long* profile;
 };
 
 // Record ring in static shared memory. Four slots: while record k runs, warp 1 fills slot k+2
@@ -149,6 +155,24 @@ __device__ __forceinline__ void record_stop(const Params& p, int status, int sm,
   st[SMS_STATUS] = status;
 }
 
+#ifdef MPK_PROFILE
+// Thread 0 of a profiling build: store the three stamps of record `index` in local step s.
+// Called once, after the task: the WAIT and RUN stamps wait in shared memory meanwhile, so no
+// stamp and no address is live in registers across a task (the kernel already uses all 255
+// registers, so anything live across a task body would spill).
+__device__ __forceinline__ void profile_record(const Params& p, int s, int sm, int index,
+                                               unsigned long long t_wait,
+                                               unsigned long long t_run,
+                                               unsigned long long t_end) {
+  if (p.profile == nullptr) return;
+  unsigned long long* row =
+      p.profile + (((long long)s * gridDim.x + sm) * p.max_len + index) * PROF_STAMPS;
+  row[PROF_WAIT] = t_wait;
+  row[PROF_RUN] = t_run;
+  row[PROF_END] = t_end;
+}
+#endif
+
 // Thread 0: satisfy every wait of `rec` for local step s. False when this CTA must stop (its
 // own wait timed out, or another CTA raised the abort flag).
 __device__ __forceinline__ bool wait_record(const Params& p, const int* rec, int s, int sm,
@@ -203,6 +227,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) mpk_megakernel(cons
   __shared__ int seen_ctr[SEEN];
   __shared__ unsigned long long seen_val[SEEN];
   __shared__ int s_stop;
+#ifdef MPK_PROFILE
+  __shared__ unsigned long long s_stamp[2];  // WAIT and RUN stamps of the running record
+#endif
 
   const int tid = threadIdx.x;
   const int sm = blockIdx.x;
@@ -233,11 +260,20 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) mpk_megakernel(cons
                  tid - 32);
     }
     if (tid == 0) {
+#ifdef MPK_PROFILE
+      // Before the waits: from the previous record's END to here is loop overhead only.
+      s_stamp[0] = ptx::globaltimer();
+#endif
       if (k + 1 < total) prefetch_slot(ring[(k + 1) & (RING - 1)]);
       s_stop = wait_record(p, rec, s, sm, i, seen_ctr, seen_val) ? 0 : 1;
     }
     __syncthreads();
     if (s_stop) return;
+#ifdef MPK_PROFILE
+    // After the barrier that releases the CTA: the task starts now. (Stamping inside thread 0's
+    // wait block instead made ptxas spill: the kernel sits at 255 registers.)
+    if (tid == 0) s_stamp[1] = ptx::globaltimer();
+#endif
 
     const TaskArgs a{rec, p.op_params + (long long)rec[REC_OP] * PARAM_WORDS, p.tensors, s,
                      dyn_smem};
@@ -256,6 +292,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) mpk_megakernel(cons
       __threadfence();
       const int n = rec[REC_NUM_SIGNALS];
       for (int j = 0; j < n; ++j) ptx::red_release_add_u64(p.counters + rec[REC_SIGNALS + j], 1ull);
+#ifdef MPK_PROFILE
+      profile_record(p, s, sm, i, s_stamp[0], s_stamp[1], ptx::globaltimer());
+#endif
     }
     if (++i == len) {
       i = 0;
