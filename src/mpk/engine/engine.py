@@ -88,6 +88,10 @@ class Engine:
         if max_seq_len is None:
             max_seq_len = min(DEFAULT_MAX_SEQ_LEN, cfg.max_position)
         self.cfg = cfg
+        if num_sms is None and backend == "cuda" and torch.cuda.is_available():
+            # One persistent CTA per SM: a plan for more SMs than the GPU has cannot launch.
+            num_sms = torch.cuda.get_device_properties(
+                torch.device(device or "cuda")).multi_processor_count
         self.options = EngineConfig(backend=backend, num_sms=num_sms or DEFAULT_NUM_SMS,
                                     page_size=page_size, max_seq_len=max_seq_len,
                                     steps_per_launch=steps_per_launch)
