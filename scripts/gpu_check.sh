@@ -1,16 +1,41 @@
 #!/usr/bin/env bash
-# One device call: install, build, run the GPU tests and the first latency measurement.
-# Usage on the H200 machine (repo root): bash scripts/gpu_check.sh   (logs go to $OUT, default ./out); BENCH_MODELS, BENCH_TOKENS, PYTEST_ARGS tune it
+# One device call per mode (each fits the 10-minute limit), logs under $OUT (default ./out).
+#   bash scripts/gpu_check.sh correctness   GPU tests, mpk generate on CUDA, compute-sanitizer
+#   bash scripts/gpu_check.sh perf          mpk bench (batch 1 and 8) and mpk profile
+# Tune with MODELS="qwen3-0.6b ..." BATCHES="1 8" TOKENS=200 PYTEST_ARGS=...
 set -uo pipefail
+mode=${1:-correctness}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MPK_CACHE_DIR=${MPK_CACHE_DIR:-/tmp/mpk-cache}
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-{ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv; python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'; } 2>&1 | tee "$OUT/env.log"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+  || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader | tee "$OUT/env.log"
 status=0
-timeout 420 python3 -m pytest tests/gpu tests/cuda -q -x --timeout 240 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-for model in ${BENCH_MODELS:-qwen3-0.6b llama-3.2-1b qwen3-8b}; do
-  timeout ${BENCH_TIMEOUT:-240} python3 -m mpk bench --model "$model" --new-tokens ${BENCH_TOKENS:-200} 2>&1 | tee "$OUT/bench-$model.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-done
+step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, remember failures
+  local name=$1 limit=$2; shift 2
+  echo "== $name"
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1 || { status=1; echo "FAILED: $name"; }
+  grep -v -e Warning -e '^$' "$OUT/$name.log" | tail -${TAIL:-15}
+}
+case $mode in
+  correctness)
+    step gpu_tests 420 python3 -m pytest -q -p no:cacheprovider --timeout 120 tests/gpu tests/cuda \
+      tests/profile ${PYTEST_ARGS:-}
+    step generate 90 python3 -m mpk generate --model qwen3-0.6b --backend cuda --json \
+      --max-new-tokens 32
+    step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 \
+      python3 -m mpk generate --model tiny-qwen3 --backend cuda --max-new-tokens 4 --json
+    ;;
+  perf)
+    for model in ${MODELS:-qwen3-0.6b llama-3.2-1b qwen3-8b}; do
+      for batch in ${BATCHES:-1}; do
+        step "bench-$model-b$batch" 150 python3 -m mpk bench --model "$model" --batch "$batch" \
+          --new-tokens "${TOKENS:-200}"
+      done
+    done
+    step profile 150 python3 -m mpk profile --model "${PROFILE_MODEL:-qwen3-0.6b}" \
+      --out "$OUT/profile"
+    ;;
+  *) echo "unknown mode $mode (use correctness or perf)"; exit 2 ;;
+esac
 exit $status
