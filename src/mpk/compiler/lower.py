@@ -160,6 +160,6 @@ def _stats(ops: list[TiledOp], counters: CounterPlan, sched: Schedule, plan: Pla
                        "max": float(sched.busy_us.max())},
         "predicted_us_per_step": round(sched.makespan_us, 2),
         "weight_bytes_per_step": int(weight_bytes),
-        "floor_us_per_step": round(weight_bytes / model.hbm_bytes_per_us, 2),
+        "floor_us_per_step": round(weight_bytes / model.floor_bytes_per_us, 2),
         "arena_bytes": plan.arena_bytes,
     }

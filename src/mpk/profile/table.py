@@ -77,7 +77,7 @@ def op_task_bytes(tl: Timeline) -> np.ndarray:
 def kind_table(tl: Timeline, bandwidth_bytes_per_s: float | None = None) -> KindTable:
     """The table for `tl`; `bandwidth_bytes_per_s`: the measured HBM read bandwidth (default:
     the scheduler's CostModel figure)."""
-    bandwidth = float(bandwidth_bytes_per_s or CostModel().hbm_bytes_per_us * 1e6)
+    bandwidth = float(bandwidth_bytes_per_s or CostModel().floor_bytes_per_us * 1e6)
     num_sms, steps = tl.plan.num_sms, max(tl.num_steps, 1)
     event_bytes = op_task_bytes(tl)[tl.op]
     run, wait = tl.run_ns.astype(np.float64), tl.wait_ns.astype(np.float64)
