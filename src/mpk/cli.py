@@ -371,27 +371,32 @@ def _check_row(row: Any) -> dict[str, Any]:
             "passed": bool(values[3])}
 
 
-# ---- mpk bench -------------------------------------------------------------------------------
-def _cmd_bench(args: argparse.Namespace) -> int:
+# ---- mpk bench / mpk profile -----------------------------------------------------------------
+def _model_on_gpu(args: argparse.Namespace, command: str) -> tuple[Any, dict[str, Any], str]:
+    """(config, weights on the GPU, model name) for --model or --checkpoint; GPU commands only."""
     import torch
 
-    from mpk.bench.mpk_decoder import MpkDecoder
-    from mpk.bench.runner import bench_prompt, format_table, run_bench
     from mpk.errors import UnsupportedError
 
     if not torch.cuda.is_available():
-        raise UnsupportedError("mpk bench needs a CUDA GPU (torch.cuda is unavailable here)")
+        raise UnsupportedError(f"mpk {command} needs a CUDA GPU (torch.cuda is unavailable here)")
     if args.checkpoint:
         from mpk.models.weights import load_checkpoint
 
         cfg, weights = load_checkpoint(args.checkpoint)
-        weights = {k: v.cuda() for k, v in weights.items()}
-    else:
-        from mpk.models.config import get_preset
-        from mpk.models.weights import random_weights
+        return cfg, {k: v.cuda() for k, v in weights.items()}, cfg.name or args.checkpoint
+    from mpk.models.config import get_preset
+    from mpk.models.weights import random_weights
 
-        cfg = get_preset(args.model)
-        weights = random_weights(cfg, args.seed, "cuda")
+    cfg = get_preset(args.model)
+    return cfg, random_weights(cfg, args.seed, "cuda"), args.model
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from mpk.bench.mpk_decoder import MpkDecoder
+    from mpk.bench.runner import bench_prompt, format_table, run_bench
+
+    cfg, weights, _ = _model_on_gpu(args, "bench")
     prompt = bench_prompt(cfg, args.batch, 16, args.seed)
     decoder = MpkDecoder(cfg, weights, prompt, args.new_tokens)
     mpk_tokens = decoder.tokens(16)
@@ -409,30 +414,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- mpk profile -----------------------------------------------------------------------------
 def _cmd_profile(args: argparse.Namespace) -> int:
-    import torch
-
-    from mpk.errors import UnsupportedError
-
-    if not torch.cuda.is_available():
-        raise UnsupportedError("mpk profile needs a CUDA GPU (torch.cuda is unavailable here)")
     from mpk.profile.run import profile_model, summary_lines
     from mpk.profile.table import render_table
 
-    if args.checkpoint:
-        from mpk.models.weights import load_checkpoint
-
-        cfg, weights = load_checkpoint(args.checkpoint)
-        weights = {k: v.cuda() for k, v in weights.items()}
-        model = cfg.name or args.checkpoint
-    else:
-        from mpk.models.config import get_preset
-        from mpk.models.weights import random_weights
-
-        cfg = get_preset(args.model)
-        weights = random_weights(cfg, args.seed, "cuda")
-        model = args.model
+    cfg, weights, model = _model_on_gpu(args, "profile")
     out = args.out or f"mpk-profile/{str(model).strip('/').replace('/', '_')}"
     result = profile_model(cfg, args.steps, weights=weights, batch=args.batch, seed=args.seed,
                            out_dir=out)
