@@ -8,13 +8,14 @@ import random
 import pytest
 import torch
 
+from mpk.check import bind_model
 from mpk.backends.base import create_executor
 from mpk.check import run_check
 from mpk.models.builder import DecodeShape
 from mpk.models.config import get_preset
 from mpk.models.reference import ReferenceModel
 from mpk.models.weights import random_weights
-from tests.interp.model_run import bind_all, make_plan, run_prompts
+from tests.interp.model_run import make_plan, run_prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -44,7 +45,7 @@ def test_greedy_64_tokens_teacher_forced(preset: str) -> None:
     weights = random_weights(cfg, seed=seed)
     shape = DecodeShape(batch=1, steps_per_launch=32, page_size=16, max_pages=8, num_pages=8)
     ex = create_executor(make_plan(cfg, shape, num_sms=132), "cuda", poison=True)
-    bind_all(ex, cfg, shape, weights, seed)
+    bind_model(ex, ex.plan, cfg, shape, weights, seed)
     prompt = [random.randrange(cfg.vocab_size) for _ in range(5)]
     tokens = run_prompts(ex, shape, [prompt], new_tokens=64)[0]
     ref = ReferenceModel(cfg, weights, max_seq=shape.max_seq_len)
@@ -66,7 +67,7 @@ def test_batched_prompts_match_single_runs() -> None:
     prompts = [[1, 2, 3], [9], [4, 5, 6, 7, 8]]
     shape = DecodeShape(batch=3, steps_per_launch=8, page_size=4, max_pages=8, num_pages=32)
     ex = create_executor(make_plan(cfg, shape, num_sms=132), "cuda", poison=True)
-    bind_all(ex, cfg, shape, weights, seed)
+    bind_model(ex, ex.plan, cfg, shape, weights, seed)
     got = run_prompts(ex, shape, prompts, new_tokens=12)
     want = ReferenceModel(cfg, weights, max_seq=64).generate_greedy(prompts, 12)
     same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))

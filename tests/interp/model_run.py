@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from mpk.backends.base import create_executor
-from mpk.check import bind_model
 from mpk.compiler.lower import compile_graph
 from mpk.compiler.plan import Plan
 from mpk.models.builder import DecodeShape, build_graph
@@ -14,10 +13,6 @@ from mpk.models.config import ModelConfig
 
 def make_plan(cfg: ModelConfig, shape: DecodeShape, num_sms: int, fuse_ops: bool = True) -> Plan:
     return compile_graph(build_graph(cfg, shape, num_sms=num_sms), num_sms, fuse_ops=fuse_ops)
-
-
-def bind_all(ex, cfg: ModelConfig, shape: DecodeShape, weights: dict, seed: int) -> None:
-    bind_model(ex, ex.plan, cfg, shape, weights, seed)
 
 
 def run_prompts(ex, shape: DecodeShape, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

@@ -7,11 +7,12 @@ import random
 import pytest
 import torch
 
+from mpk.check import bind_model
 from mpk.models.builder import DecodeShape
 from mpk.models.config import get_preset
 from mpk.models.reference import ReferenceModel
 from mpk.models.weights import random_weights
-from tests.interp.model_run import bind_all, executor, make_plan, run_prompts
+from tests.interp.model_run import executor, make_plan, run_prompts
 
 SHAPE = DecodeShape(batch=3, steps_per_launch=4, page_size=4, max_pages=8, num_pages=32)
 
@@ -24,7 +25,7 @@ def test_tokens_match_reference(preset: str, order: str) -> None:
     weights = random_weights(cfg, seed=seed)
     prompts = [[1, 5, 9, 3], [7, 2], [4, 4, 4, 4, 4, 1]]
     ex = executor(make_plan(cfg, SHAPE, num_sms=6), order=order, seed=seed)
-    bind_all(ex, cfg, SHAPE, weights, seed)
+    bind_model(ex, ex.plan, cfg, SHAPE, weights, seed)
     got = run_prompts(ex, SHAPE, prompts, new_tokens=10)
     expected = ReferenceModel(cfg, weights, max_seq=64).generate_greedy(prompts, 10)
     assert got == expected, f"seed {seed}"
@@ -37,7 +38,7 @@ def test_logits_match_reference(preset: str) -> None:
     weights = random_weights(cfg, seed=seed)
     shape = DecodeShape(batch=1, steps_per_launch=4, page_size=4, max_pages=8, num_pages=8)
     ex = executor(make_plan(cfg, shape, num_sms=5))
-    bind_all(ex, cfg, shape, weights, seed)
+    bind_model(ex, ex.plan, cfg, shape, weights, seed)
     prompt = [3, 1, 4, 1]
     ex.write("prompt", torch.tensor(prompt, dtype=torch.int32)[:, None])
     ex.run(1)
@@ -56,7 +57,7 @@ def test_long_context_plan_splits_attention() -> None:
     plan = make_plan(cfg, shape, num_sms=16)
     assert "attention_merge" in plan.kinds
     ex = executor(plan, order="random", seed=seed)
-    bind_all(ex, cfg, shape, weights, seed)
+    bind_model(ex, ex.plan, cfg, shape, weights, seed)
     prompts = [[3, 1, 4, 1, 5], [9, 2]]
     got = run_prompts(ex, shape, prompts, new_tokens=6)
     assert got == ReferenceModel(cfg, weights, max_seq=64).generate_greedy(prompts, 6)
@@ -71,7 +72,7 @@ def test_fused_and_unfused_plans_agree() -> None:
     for fuse_ops in (True, False):
         plan = make_plan(cfg, shape, num_sms=4, fuse_ops=fuse_ops)
         ex = executor(plan, order="free", seed=seed)
-        bind_all(ex, cfg, shape, weights, seed)
+        bind_model(ex, ex.plan, cfg, shape, weights, seed)
         ex.write("prompt", torch.tensor([[1, 2], [3, 4], [-1, -1]], dtype=torch.int32))
         ex.run(3)
         results.append((ex.read("tokens_out"), ex.read("logits")))

@@ -14,12 +14,13 @@ import random
 import numpy as np
 import torch
 
+from mpk.check import bind_model
 from mpk.compiler import record
 from mpk.compiler.plan import Plan
 from mpk.models.builder import DecodeShape
 from mpk.models.config import get_preset
 from mpk.models.weights import random_weights
-from tests.interp.model_run import bind_all, executor, make_plan
+from tests.interp.model_run import executor, make_plan
 
 SHAPE = DecodeShape(batch=2, steps_per_launch=2, page_size=4, max_pages=2, num_pages=4)
 STEPS = 2
@@ -28,7 +29,7 @@ STEPS = 2
 def _run(plan: Plan, cfg, weights, seed: int, priority=None,
          order_seed: int = 0) -> dict[str, torch.Tensor] | None:
     ex = executor(plan, order="free", seed=order_seed, priority=priority)
-    bind_all(ex, cfg, SHAPE, weights, seed)
+    bind_model(ex, ex.plan, cfg, SHAPE, weights, seed)
     ex.write("prompt", torch.tensor([[3, 7], [-1, 5]], dtype=torch.int32))
     try:
         ex.run(STEPS)

@@ -8,10 +8,11 @@ import random
 import pytest
 import torch
 
+from mpk.check import bind_model
 from mpk.models.builder import DecodeShape
 from mpk.models.config import get_preset
 from mpk.models.weights import load_checkpoint
-from tests.interp.model_run import bind_all, executor, make_plan, run_prompts
+from tests.interp.model_run import executor, make_plan, run_prompts
 
 NEW_TOKENS = 16
 # bf16 rounding moves logits by about 1% of their spread, so a greedy decision is only
@@ -31,7 +32,7 @@ def _saved(tmp_path, make_hf_model, name: str, seed: int):
 
 def _mpk(cfg, weights, seed: int):
     ex = executor(make_plan(cfg, SHAPE, num_sms=6), order="random", seed=seed)
-    bind_all(ex, cfg, SHAPE, weights, seed)
+    bind_model(ex, ex.plan, cfg, SHAPE, weights, seed)
     return ex
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mpk.check import bind_model
 from mpk.compiler.lower import compile_graph
 from mpk.dtypes import DType
 from mpk.engine.decode import decode
@@ -18,7 +19,7 @@ from mpk.models.config import get_preset
 from mpk.models.weights import random_weights
 from mpk.parallel import CrossRankHazardError, MultiRankCpuExecutor, rank_plans
 from mpk.tensors import Role
-from tests.interp.model_run import bind_all, executor, make_plan, run_prompts
+from tests.interp.model_run import executor, make_plan, run_prompts
 
 SHAPE = DecodeShape(batch=2, steps_per_launch=8, page_size=4, max_pages=8, num_pages=16)
 NUM_SMS = 6
@@ -71,7 +72,7 @@ def _single_rank(cfg):
     for seed in range(20):
         weights = random_weights(cfg, seed)
         ex = executor(plan)
-        bind_all(ex, cfg, SHAPE, weights, seed)
+        bind_model(ex, ex.plan, cfg, SHAPE, weights, seed)
         tokens, logits = _stepwise(ex, TOTAL)
         if _clear_margins(logits):
             return seed, weights, ex, tokens, logits
@@ -82,7 +83,7 @@ def _ranks(cfg, weights_seed: int, weights, **opts):
     ex = MultiRankCpuExecutor(rank_plans(cfg, SHAPE, 2, NUM_SMS), **opts)
     full = ex.as_executor()
     # The same binding as the single-rank run: full weights, KV noise and page table, sharded.
-    bind_all(full, cfg, SHAPE, weights, weights_seed)
+    bind_model(full, full.plan, cfg, SHAPE, weights, weights_seed)
     return ex, full
 
 
@@ -112,7 +113,7 @@ def test_one_rank_tp_plan_equals_the_single_rank_plan() -> None:
     cfg = get_preset("tiny-llama")
     seed, weights, _, tokens, _ = _single_rank(cfg)
     full = MultiRankCpuExecutor(rank_plans(cfg, SHAPE, 1, NUM_SMS)).as_executor()
-    bind_all(full, cfg, SHAPE, weights, seed)
+    bind_model(full, full.plan, cfg, SHAPE, weights, seed)
     # Driven by the engine's own decode loop: the Executor protocol is all it needs.
     got, _ = decode(full, PROMPTS, NEW_TOKENS, (), SHAPE.steps_per_launch)
     assert got == _generated(tokens)

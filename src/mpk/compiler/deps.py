@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpk.compiler.tiling import Access1, TiledOp, covers_whole, overlap
+from mpk.compiler.tiling import Access1, TiledOp, covers_whole
+from mpk.tasks.base import boxes_overlap
 
 
 @dataclass
@@ -57,7 +58,7 @@ def _visit(op: TiledOp, acc: Access1, hist: _History, walk: int,
             continue  # tasks of one op never depend on each other
         if not (acc.access.writes or pacc.access.writes):
             continue
-        m = overlap(pacc.boxes, acc.boxes)
+        m = boxes_overlap(pacc.boxes, acc.boxes)
         if not m.any():
             continue
         key = (producer, op.index, prev)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpk.graph.graph import Graph, Op
-from mpk.tasks.base import Access, OpView, TaskKind
+from mpk.tasks.base import Access, OpView, TaskKind, grid_points
 from mpk.tasks.registry import get_kind
 
 
@@ -41,20 +41,13 @@ class TiledOp:
         return len(self.points)
 
 
-def grid_points(grid: tuple[int, int, int]) -> np.ndarray:
-    n = grid[0] * grid[1] * grid[2]
-    t = np.arange(n)
-    return np.stack([t % grid[0], (t // grid[0]) % grid[1], t // (grid[0] * grid[1])],
-                    axis=1).astype(np.int32)
-
-
 def tile_graph(graph: Graph) -> list[TiledOp]:
     tiled: list[TiledOp] = []
     first = 0
     for index, op in enumerate(graph.ops):
         view = graph.view(op)
         kind = get_kind(op.kind)
-        points = grid_points(op.grid)
+        points = np.array(grid_points(op.grid), dtype=np.int32)
         accesses = tuple(_access(kind, view, spec.name, points)
                          for spec in kind.operands if spec.name in view.tensors)
         tiled.append(TiledOp(index, op, view, kind, first, points, accesses))
@@ -67,13 +60,6 @@ def _access(kind: TaskKind, view: OpView, operand: str, points: np.ndarray) -> A
     boxes = np.array([kind.region(view, operand, tuple(int(x) for x in p)) for p in points],
                      dtype=np.int64).reshape(len(points), len(view.shape(operand)), 2)
     return Access1(operand, view.tensors[operand].name, spec.access, spec.weight, boxes)
-
-
-def overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """bool [len(b), len(a)]: does box b[j] intersect box a[i]?"""
-    lo = np.maximum(b[:, None, :, 0], a[None, :, :, 0])
-    hi = np.minimum(b[:, None, :, 1], a[None, :, :, 1])
-    return np.all(lo < hi, axis=-1)
 
 
 def covers_whole(boxes: np.ndarray, shape: tuple[int, ...]) -> bool:

@@ -6,10 +6,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from mpk.dtypes import DType
 from mpk.errors import GraphError
 from mpk.tensors import Role, TensorSpec, check_name
-from mpk.tasks.base import Access, OpView, Split
+from mpk.tasks.base import OpView, Split, boxes_overlap, grid_points
 from mpk.tasks.registry import get_kind
 
 
@@ -158,12 +160,9 @@ def _check_partition(view: OpView, task: Any) -> None:
 def _check_no_overlap_between_tasks(view: OpView, task: Any) -> None:
     """Tasks of one op run in any order, so no task may touch what another task of the same op
     writes (e.g. reading all of a tensor while tiles of it are overwritten in place)."""
-    import numpy as np
-
     written = {view.tensors[s.name].name for s in task.operands
                if s.access.writes and s.name in view.tensors}
-    points = [(i, j, k) for k in range(view.grid[2]) for j in range(view.grid[1])
-              for i in range(view.grid[0])]
+    points = grid_points(view.grid)
     for tensor in written:
         operands = [name for name, t in view.tensors.items() if t.name == tensor]
         if len(operands) < 2:
@@ -173,9 +172,7 @@ def _check_no_overlap_between_tasks(view: OpView, task: Any) -> None:
             if not task.operand(a).access.writes:
                 continue
             for b in operands:
-                lo = np.maximum(boxes[a][:, None, :, 0], boxes[b][None, :, :, 0])
-                hi = np.minimum(boxes[a][:, None, :, 1], boxes[b][None, :, :, 1])
-                hit = np.all(lo < hi, axis=-1)
+                hit = boxes_overlap(boxes[b], boxes[a])
                 np.fill_diagonal(hit, False)
                 if hit.any():
                     raise view.error(f"operand {a!r} writes tensor '{tensor}' where another task "

@@ -76,7 +76,6 @@ def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = 132,
         tp.check(cfg)
     g = Graph()
     b, h, d = shape.batch, cfg.hidden_size, cfg.head_dim
-    kvh, group, inter = cfg.num_kv_heads, cfg.group, cfg.intermediate_size
     g.add_tensor("prompt", (shape.steps_per_launch, b), I32, Role.IO)
     g.add_tensor("positions", (b,), I32, Role.IO)
     g.add_tensor("page_table", (b, shape.max_pages), I32, Role.IO)

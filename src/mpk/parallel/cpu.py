@@ -33,7 +33,7 @@ from mpk.compiler import record
 from mpk.compiler.plan import Plan
 from mpk.errors import MpkError
 from mpk.parallel.tp import TensorParallel, shard_dim, unshard
-from mpk.tasks.base import Tile
+from mpk.tasks.base import Tile, grid_points
 from mpk.tasks.registry import get_kind
 
 ORDERS = ("schedule", "random")
@@ -42,11 +42,6 @@ REDUCE_KIND = "allreduce"
 
 class CrossRankHazardError(MpkError):
     """A rank overwrote a partial before a peer's all-reduce of the previous step read it."""
-
-
-def _points(grid: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    # Task order inside an op, as the compiler numbers tasks: grid axis 0 fastest.
-    return [(i, j, k) for k in range(grid[2]) for j in range(grid[1]) for i in range(grid[0])]
 
 
 def _overlaps(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> bool:
@@ -202,7 +197,7 @@ class MultiRankCpuExecutor:
                 if ranks != self.size:
                     raise MpkError(f"rank {r}: allreduce {name!r} sums {ranks} ranks, but "
                                    f"{self.size} plans were given")
-                for local, point in enumerate(_points(op.grid)):
+                for local, point in enumerate(grid_points(op.grid)):
                     links = []
                     for q, peer_plan in enumerate(self.plans):
                         peer_op = peer_plan.ops[names[q][name]]
@@ -235,7 +230,7 @@ def _producers(plan: Plan, reduce_op: int, point: tuple[int, int, int] | None) -
         for operand, tid in op.operands:
             if plan.tensors[tid].name != tensor or not kind.operand(operand).access.writes:
                 continue
-            for local, p in enumerate(_points(op.grid)):
+            for local, p in enumerate(grid_points(op.grid)):
                 if want is None or _overlaps(kind.region(opview, operand, p), want):
                     out.append(op.first_task + local)
     return out

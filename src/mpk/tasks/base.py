@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from mpk.errors import GraphError
@@ -212,5 +213,13 @@ def float_bits(value: float) -> int:
     return struct.unpack("<i", struct.pack("<f", float(value)))[0]
 
 
-def bits_float(word: int) -> float:
-    return struct.unpack("<f", struct.pack("<i", int(word)))[0]
+def grid_points(grid: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """Every grid point in task order: axis 0 fastest, then axis 1, then axis 2."""
+    return [(i, j, k) for k in range(grid[2]) for j in range(grid[1]) for i in range(grid[0])]
+
+
+def boxes_overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """bool [len(b), len(a)]: does box b[j] intersect box a[i]? Boxes: [n, ndim, 2] [lo, hi)."""
+    lo = np.maximum(b[:, None, :, 0], a[None, :, :, 0])
+    hi = np.minimum(b[:, None, :, 1], a[None, :, :, 1])
+    return np.all(lo < hi, axis=-1)

@@ -17,7 +17,7 @@ from mpk.compiler import record
 from mpk.compiler.plan import Plan
 from mpk.dtypes import DType
 from mpk.errors import MpkError
-from mpk.tasks.base import Tile
+from mpk.tasks.base import Tile, grid_points
 from mpk.tasks.registry import get_kind
 
 INT_POISON = -(2**31) + 7
@@ -119,7 +119,7 @@ class CpuExecutor:
             for op_index, op in enumerate(self.plan.ops):
                 view = self._op_views[op_index]
                 kind = get_kind(op.kind)
-                points = _points(op.grid)
+                points = grid_points(op.grid)
                 for local, point in enumerate(points):
                     self._views[op.first_task + local] = {
                         operand: self.tensors[self.plan.tensors[tid].name][
@@ -128,9 +128,6 @@ class CpuExecutor:
                     }
         return self._views
 
-
-def _points(grid: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    return [(i, j, k) for k in range(grid[2]) for j in range(grid[1]) for i in range(grid[0])]
 
 
 def _check_like(name: str, t: torch.Tensor, shape: tuple[int, ...],
