@@ -18,6 +18,9 @@ from mpk.models.reference import ReferenceModel
 from mpk.models.weights import random_weights
 
 BF16_TOL = 1e-2
+# Two logits closer than this (in units of the logits' std) are a near-tie: bf16 rounding and
+# summation order may legitimately pick either, so greedy tokens are compared up to it.
+NEAR_TIE = 2e-2
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,30 @@ def bind_model(ex: Executor, plan: Plan, cfg: ModelConfig, shape: DecodeShape,
     ex.bind("positions", torch.zeros(shape.batch, dtype=torch.int32))
     ex.bind("prompt", torch.full((shape.steps_per_launch, shape.batch), -1, dtype=torch.int32))
     ex.bind("tokens_out", torch.zeros((shape.steps_per_launch, shape.batch), dtype=torch.int32))
+
+
+def teacher_forced_gaps(ref: ReferenceModel, prompt: list[int],
+                        tokens: list[int]) -> torch.Tensor:
+    """For each generated token, how far its logit falls below the best one (in units of the
+    logits' std) when the reference reads the same context: the prompt and the tokens before it.
+    0 means the reference would have chosen it too."""
+    seq = torch.tensor([prompt + tokens[:-1]])
+    logits = ref.forward(seq, 0)[0, len(prompt) - 1:].double()
+    chosen = logits.gather(1, torch.tensor(tokens)[:, None])
+    best = logits.max(dim=1, keepdim=True).values
+    return ((best - chosen) / logits.std(dim=1, keepdim=True)).squeeze(1)
+
+
+def greedy_mismatches(ref: ReferenceModel, prompts: list[list[int]],
+                      outputs: list[list[int]]) -> list[str]:
+    """The generated tokens that are not the reference's greedy choice up to a near-tie,
+    described for an assertion message; empty when every token agrees."""
+    bad = []
+    for row, (prompt, tokens) in enumerate(zip(prompts, outputs, strict=True)):
+        gaps = teacher_forced_gaps(ref, prompt, tokens)
+        bad += [f"prompt {row} step {i}: token {tokens[i]} is {float(g):.3g} std below the best"
+                for i, g in enumerate(gaps) if g > NEAR_TIE]
+    return bad
 
 
 def _argmax_row(runs: list[dict[str, torch.Tensor]], row: CheckRow) -> CheckRow:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mpk.check import greedy_mismatches
 from mpk.engine import Engine, InvalidRequestError
 from mpk.errors import MpkError, UnsupportedError
 from mpk.models import get_preset, random_weights
@@ -19,17 +20,17 @@ MAX_SEQ = 32
 def model(request: pytest.FixtureRequest) -> tuple:
     cfg = get_preset(request.param)
     weights = random_weights(cfg, seed=0)
-    expected = ReferenceModel(cfg, weights, max_seq=MAX_SEQ).generate_greedy(PROMPTS, NEW)
-    return cfg, weights, expected
+    ref = ReferenceModel(cfg, weights, max_seq=MAX_SEQ)
+    return cfg, weights, ref.generate_greedy(PROMPTS, NEW), ref
 
 
 @pytest.mark.parametrize("steps_per_launch", [4, 16])
 def test_batch_of_different_lengths_matches_reference(model: tuple, steps_per_launch: int) -> None:
-    cfg, weights, expected = model
+    cfg, weights, _, ref = model
     engine = Engine(cfg, weights, backend="cpu", max_seq_len=MAX_SEQ,
                     steps_per_launch=steps_per_launch)
     result = engine.generate(PROMPTS, NEW)
-    assert result.token_ids == expected
+    assert not greedy_mismatches(ref, PROMPTS, result.token_ids)
     steps = max(len(p) for p in PROMPTS) + NEW - 1
     assert result.timings["steps"] == steps
     assert result.timings["launches"] == -(-steps // steps_per_launch)
@@ -38,7 +39,7 @@ def test_batch_of_different_lengths_matches_reference(model: tuple, steps_per_la
 
 
 def test_eos_truncates_each_row_after_its_first_eos(model: tuple) -> None:
-    cfg, weights, expected = model
+    cfg, weights, expected, _ = model
     eos = expected[0][3]
     engine = Engine(cfg, weights, backend="cpu", max_seq_len=MAX_SEQ, steps_per_launch=4)
     result = engine.generate(PROMPTS, NEW, eos_token_ids=[eos])
@@ -58,8 +59,8 @@ def test_plans_are_cached_per_batch_size_and_reruns_agree() -> None:
     assert again.timings["compile_s"] == 0 and again.timings["load_s"] == 0
     engine.generate([[5, 6], [7]], 3)
     assert sorted(engine.plans) == [1, 2]
-    expected = ReferenceModel(cfg, weights, max_seq=MAX_SEQ).generate_greedy([[5, 6]], 6)
-    assert first.token_ids == expected
+    ref = ReferenceModel(cfg, weights, max_seq=MAX_SEQ)
+    assert not greedy_mismatches(ref, [[5, 6]], first.token_ids)
 
 
 @pytest.mark.parametrize(("prompts", "max_new", "message"), [
