@@ -36,10 +36,19 @@ def _mpk(cfg, weights, seed: int):
     return ex
 
 
+# MPK rounds activations to bf16 where the model does; on random tiny models that rounding moves
+# the logits by up to ~2.1e-2 (relative norm) from the exact fp32 math over 300 seeds, and
+# transformers' own bf16 run is as far (max 2.1e-2). So the oracle is transformers in fp32, the
+# tolerance 3e-2, and MPK must not be much less accurate than transformers' bf16 run.
+LOGITS_TOL = 3e-2
+
+
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama"])
 def test_logits_within_bf16_tolerance(tmp_path, name: str, make_hf_model) -> None:
     seed = random.randrange(1 << 20)
     hf, cfg, weights = _saved(tmp_path, make_hf_model, name, seed)
+    exact = type(hf).from_pretrained(tmp_path / f"{name}-{seed}", dtype=torch.float32,
+                                     attn_implementation="eager").eval()
     ex = _mpk(cfg, weights, seed)
     prompt = [random.randrange(cfg.vocab_size) for _ in range(6)]
     forced = torch.full((SHAPE.steps_per_launch, 2), -1, dtype=torch.int32)
@@ -49,9 +58,13 @@ def test_logits_within_bf16_tolerance(tmp_path, name: str, make_hf_model) -> Non
     ex.run(6)
     got = ex.read("logits")[0]
     with torch.no_grad():
-        want = hf(torch.tensor([prompt])).logits[0, -1].float()
+        want = exact(torch.tensor([prompt])).logits[0, -1].float()
+        hf_bf16 = hf(torch.tensor([prompt])).logits[0, -1].float()
     err = float((got - want).norm() / want.norm())
-    assert err < 2e-2, f"relative error {err:.3g} (seed {seed})"
+    hf_err = float((hf_bf16 - want).norm() / want.norm())
+    assert err < LOGITS_TOL, f"relative error {err:.3g} vs fp32 transformers (seed {seed})"
+    assert err <= 2 * hf_err + 5e-3, (f"relative error {err:.3g}, transformers in bf16 "
+                                      f"{hf_err:.3g} (seed {seed})")
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama"])
