@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = command("generate", "Greedy-generate tokens with a model.", (
         "  mpk generate --model qwen3-0.6b --backend cpu --max-new-tokens 8\n"
         "  mpk generate --model tiny-llama --prompt-ids 5,6,7 --prompt-ids 9 --json\n"
+        "  mpk generate --model tiny-qwen3 --backend cpu --tp 2\n"
         "  mpk generate --checkpoint ~/models/Qwen3-0.6B --prompt 'The capital of France is'"),
         _cmd_generate)
     _add_model_args(g)
@@ -118,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode steps per kernel launch (default: 16)")
     g.add_argument("--max-seq-len", type=_positive, default=None, metavar="N",
                    help="KV-cache length per sequence (default: what the request needs)")
+    g.add_argument("--tp", type=_positive, default=1, metavar="G",
+                   help="tensor-parallel ranks, one process each (default: 1); the cpu backend "
+                        "runs them on the interpreter, the cuda backend does not support G > 1 yet")
     g.add_argument("--json", action="store_true", help="print one JSON object, no progress bars")
 
     p = command("plan", "Compile a model's decode step and show the plan's statistics.", (
@@ -229,13 +233,13 @@ def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) ->
 
 # ---- mpk generate ----------------------------------------------------------------------------
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from mpk.engine import Engine
-    from mpk.models import get_preset, load_checkpoint, load_tokenizer, random_weights
+    from mpk.engine.job import GenerateJob, ModelSource, run_job
+    from mpk.models import get_preset, load_config, load_tokenizer
 
     backend = _backend(args)
     tokenizer = None
     if args.checkpoint:
-        cfg, weights = load_checkpoint(args.checkpoint)
+        cfg = load_config(args.checkpoint)
         tokenizer = load_tokenizer(args.checkpoint)
         model = cfg.name or args.checkpoint
     else:
@@ -243,7 +247,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         model = args.model
         _note(f"no --checkpoint given: using preset {model!r} with random weights (seed "
               f"{args.seed}); the generated ids carry no meaning")
-        weights = random_weights(cfg, args.seed, "cuda" if backend == "cuda" else "cpu")
     if args.prompt and tokenizer is None:
         where = (f"{args.checkpoint} has no tokenizer.json" if args.checkpoint
                  else "presets have none")
@@ -259,14 +262,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         prompts = [list(DEFAULT_PROMPT_IDS)]
     # Default KV length: what this request needs (the engine rounds it up to whole pages).
     need = max(len(p) for p in prompts) + max(args.max_new_tokens, 1) - 1
-    engine = Engine(cfg, weights, backend=backend, num_sms=args.num_sms,
-                    max_seq_len=args.max_seq_len or need, steps_per_launch=args.steps_per_launch,
-                    progress=False if args.json else None)
-    eos = () if args.ignore_eos else cfg.eos_token_ids
-    result = engine.generate(prompts, args.max_new_tokens, eos_token_ids=eos)
+    job = GenerateJob(ModelSource(cfg, args.checkpoint, args.seed), prompts, args.max_new_tokens,
+                      () if args.ignore_eos else cfg.eos_token_ids, backend, args.num_sms,
+                      args.max_seq_len or need, args.steps_per_launch,
+                      progress=False if args.json else None)
+    result = run_job(job, args.tp)
     texts = [tokenizer.decode(ids) for ids in result.token_ids] if tokenizer else None
     if args.json:
-        out = {"model": model, "backend": backend, "random_weights": not args.checkpoint,
+        out = {"model": model, "backend": backend, "tp": args.tp,
+               "random_weights": not args.checkpoint,
                "seed": None if args.checkpoint else args.seed, "prompt_ids": prompts,
                "token_ids": result.token_ids,
                "timings": {k: round(float(v), 6) for k, v in result.timings.items()}}

@@ -29,5 +29,25 @@ def watchdog_seconds() -> float:
     return float(os.environ.get("MPK_WATCHDOG_S", "5"))
 
 
+# NVLink multicast (NVLS) can take a shared host's GPUs out of service: every process MPK starts
+# for tensor parallelism runs with it off in NCCL, torch's symmetric memory and NVSHMEM.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def disable_multicast() -> None:
+    """Set MULTICAST_OFF in this process (children inherit it). A variable already set to
+    another value is refused, not overridden silently: MPK never runs with multicast on."""
+    from mpk.errors import UnsupportedError
+
+    for name, value in MULTICAST_OFF.items():
+        current = os.environ.get(name)
+        if current is not None and current != value:
+            raise UnsupportedError(f"{name}={current} would allow NVLink multicast, which MPK "
+                                   f"never uses (it can take shared GPUs out of service); unset "
+                                   f"it or set {name}={value}")
+        os.environ[name] = value
+
+
 def _on_path(name: str) -> bool:
     return any((Path(p) / name).exists() for p in os.environ.get("PATH", "").split(os.pathsep) if p)

@@ -26,6 +26,7 @@ from mpk.engine.kv_cache import KvCache, KvShape
 from mpk.errors import MpkError, UnsupportedError
 from mpk.models.builder import DecodeShape, build_graph, graph_weights
 from mpk.models.config import ModelConfig
+from mpk.parallel.tp import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +80,25 @@ class Engine:
     `hf_weights` are the model's weights under Hugging Face names (see mpk.models.weights). The
     engine prepares the graph's weights (fused / permuted layouts, the RoPE table) once, then
     compiles a Plan the first time it sees each batch size and keeps it.
+
+    With `tp` (TensorParallel(rank, G), G > 1) the engine is ONE rank of a tensor-parallel
+    model and must run in a process of a torch.distributed group of G (mpk.parallel.launch):
+    it compiles that rank's Plan, keeps only its shard of the weights and KV heads, and every
+    rank runs the same host loop (the sampled tokens are identical on every rank).
     """
 
     def __init__(self, cfg: ModelConfig, hf_weights: Mapping[str, torch.Tensor],
                  backend: str = "cpu", num_sms: int | None = None, page_size: int = 16,
                  max_seq_len: int | None = None, steps_per_launch: int = 16,
-                 device: str | torch.device | None = None, progress: bool | None = None) -> None:
+                 device: str | torch.device | None = None, progress: bool | None = None,
+                 tp: TensorParallel | None = None) -> None:
+        if tp is not None and tp.size > 1:
+            tp.check(cfg)
+            if backend == "cuda":
+                raise UnsupportedError(
+                    "tensor parallelism on the CUDA backend is not built yet: the allreduce "
+                    "task has no CUDA code (docs/tensor-parallel.md); use backend 'cpu'")
+        self.tp = tp if tp is not None and tp.size > 1 else None
         if max_seq_len is None:
             max_seq_len = min(DEFAULT_MAX_SEQ_LEN, cfg.max_position)
         self.cfg = cfg
@@ -105,7 +119,7 @@ class Engine:
         start = time.perf_counter()
         # The RoPE table covers every position a full page table can reach.
         self._weights = _graph_weights(cfg, hf_weights, self.options.max_pages * page_size,
-                                       self.device)
+                                       self.device, self.tp)
         self._unreported_load_s = time.perf_counter() - start
 
     @property
@@ -158,17 +172,23 @@ class Engine:
         shape = opts.decode_shape(batch)
         with self._status(f"compiling {self.cfg.name or self.cfg.arch} for batch {batch}"):
             start = time.perf_counter()
-            graph = build_graph(self.cfg, shape, num_sms=opts.num_sms)
+            graph = build_graph(self.cfg, shape, num_sms=opts.num_sms, tp=self.tp)
             plan = compile_graph(graph, num_sms=opts.num_sms)
             timings["compile_s"] += time.perf_counter() - start
         log.info("compiled batch %d: %d tasks in %.2f s", batch, plan.num_tasks,
                  timings["compile_s"])
         start = time.perf_counter()
         # The CUDA executor runs on the engine's device; the interpreter always on the CPU.
-        device_opt = {"device": self.device} if opts.backend == "cuda" else {}
-        executor = create_executor(plan, opts.backend, **device_opt)
+        if self.tp is not None:
+            from mpk.parallel.group import rank_executor
+
+            executor: Executor = rank_executor(plan)
+        else:
+            device_opt = {"device": self.device} if opts.backend == "cuda" else {}
+            executor = create_executor(plan, opts.backend, **device_opt)
+        kv_heads = self.cfg.num_kv_heads // (self.tp.size if self.tp else 1)
         cache = KvCache(KvShape(self.cfg.num_layers, shape.num_pages, opts.page_size,
-                                self.cfg.num_kv_heads, self.cfg.head_dim), device=self.device)
+                                kv_heads, self.cfg.head_dim), device=self.device)
         _bind_all(plan, executor, self._weights, cache, self.device)
         timings["load_s"] += time.perf_counter() - start
         self._runners[batch] = _Runner(plan, executor, cache)
@@ -203,9 +223,11 @@ def check_backend(backend: str, device: str | torch.device | None = None) -> tor
 
 
 def _graph_weights(cfg: ModelConfig, hf_weights: Mapping[str, torch.Tensor], max_seq_len: int,
-                   device: torch.device) -> dict[str, torch.Tensor]:
-    """The tensors the graph binds by name (fused / permuted weights, RoPE table) on `device`."""
-    out = graph_weights(cfg, dict(hf_weights), max_seq_len)
+                   device: torch.device, tp: TensorParallel | None
+                   ) -> dict[str, torch.Tensor]:
+    """The tensors the graph binds by name (fused / permuted weights, RoPE table) on `device`;
+    with `tp`, only this rank's share."""
+    out = graph_weights(cfg, dict(hf_weights), max_seq_len, tp=tp)
     return {name: t.to(device).contiguous() for name, t in out.items()}
 
 

@@ -1,7 +1,8 @@
 """Tensor parallelism over the GPUs of one host: sharding, per-rank plans, the CPU simulation.
 
-See docs/tensor-parallel.md. The CUDA side (an all-reduce device function with cross-GPU
-counters, the torchrun launcher) is not written yet.
+See docs/tensor-parallel.md. `launch.run_ranks` starts one process per rank and `group` gives a
+rank's interpreter its all-reduce over a torch.distributed group; the CUDA side (an all-reduce
+device function with cross-GPU counters) is not written yet.
 """
 
 from mpk.parallel.cpu import CrossRankHazardError, FullModelExecutor, MultiRankCpuExecutor

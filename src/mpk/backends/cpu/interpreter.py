@@ -29,15 +29,22 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(INT_POISON)
 
 
+# (task id, the task's operand views) -> extra inputs for the tile (Tile.extra), e.g. the
+# peers' partials of a tensor-parallel all-reduce that live in another process.
+TileExtra = Callable[[int, dict[str, torch.Tensor]], dict[str, object]]
+
+
 class CpuExecutor:
     def __init__(self, plan: Plan, order: str = "schedule", seed: int | None = None,
-                 poison: bool = True, priority: Callable[[int], float] | None = None) -> None:
+                 poison: bool = True, priority: Callable[[int], float] | None = None,
+                 tile_extra: TileExtra | None = None) -> None:
         if order not in ORDERS:
             raise MpkError(f"unknown order {order!r}; use one of {ORDERS}")
         self.plan = plan
         self.order = order
         self.rng = random.Random(seed)
         self.priority = priority
+        self.tile_extra = tile_extra
         self.counters = Counters(plan.num_counters)
         self.step_begin = 0
         self.tensors: dict[str, torch.Tensor] = {}
@@ -92,8 +99,9 @@ class CpuExecutor:
             for rec, step in self._order(num_steps):
                 task = int(rec[record.TASK])
                 point = tuple(int(x) for x in rec[record.POINT: record.POINT + 3])
+                extra = self.tile_extra(task, views[task]) if self.tile_extra else {}
                 tile = Tile(self._op_views[int(rec[record.OP])], point,  # type: ignore[arg-type]
-                            views[task], step)
+                            views[task], step, extra)
                 self._kinds[int(rec[record.KIND])].reference(tile)
         finally:
             torch.set_num_threads(threads)

@@ -1,0 +1,66 @@
+"""A generation job as plain data, so that one process or G tensor-parallel processes run it.
+
+`mpk generate` describes what to run (GenerateJob: where the weights come from, the prompts,
+the engine options) and calls `run_job(job, tp_size)`. With tp_size 1 the job runs in this
+process; with G > 1 each of G spawned processes loads the model, keeps its rank's shard and runs
+the same decode loop (mpk.parallel.launch), and rank 0's result comes back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mpk.engine.decode import GenerationResult
+from mpk.engine.engine import Engine
+from mpk.models.config import ModelConfig
+from mpk.models.weights import load_checkpoint, random_weights
+from mpk.parallel.launch import run_ranks
+from mpk.parallel.tp import TensorParallel
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A local Hugging Face checkpoint, or a preset with seeded random weights."""
+
+    cfg: ModelConfig
+    checkpoint: str | None = None
+    seed: int = 0
+
+    def load(self, device: str) -> dict[str, torch.Tensor]:
+        """The weights under Hugging Face names, on `device`."""
+        if self.checkpoint is None:
+            return random_weights(self.cfg, self.seed, device)
+        _, weights = load_checkpoint(self.checkpoint)
+        return weights
+
+
+@dataclass(frozen=True)
+class GenerateJob:
+    source: ModelSource
+    prompts: Sequence[Sequence[int]]
+    max_new_tokens: int
+    eos_token_ids: Sequence[int] = ()
+    backend: str = "cpu"
+    num_sms: int | None = None
+    max_seq_len: int | None = None
+    steps_per_launch: int = 16
+    progress: bool | None = None
+
+
+def run_job(job: GenerateJob, tp_size: int = 1) -> GenerationResult:
+    """Run `job` on tp_size tensor-parallel ranks (processes); rank 0's result."""
+    if tp_size > 1:
+        TensorParallel(0, tp_size).check(job.source.cfg)  # before starting any process
+    return run_ranks(tp_size, _run_rank, job, backend=job.backend)
+
+
+def _run_rank(tp: TensorParallel, job: GenerateJob) -> GenerationResult:
+    device = "cuda" if job.backend == "cuda" else "cpu"
+    weights = job.source.load(device)
+    engine = Engine(job.source.cfg, weights, backend=job.backend, num_sms=job.num_sms,
+                    max_seq_len=job.max_seq_len, steps_per_launch=job.steps_per_launch,
+                    progress=job.progress if tp.rank == 0 else False, tp=tp)
+    return engine.generate(job.prompts, job.max_new_tokens, eos_token_ids=job.eos_token_ids)

@@ -1,0 +1,69 @@
+"""One tensor-parallel rank per PROCESS on the CPU interpreter: the all-reduce over a real
+process group (torch.distributed, gloo).
+
+MultiRankCpuExecutor (parallel/cpu.py) runs G ranks in one process and is the tool for proving
+the cross-rank waits. This module is the other half: the process model that `mpk generate --tp G`
+uses, where each process owns one rank's Plan, weights and KV cache, exactly as each GPU will.
+A rank's CpuExecutor hands every `allreduce` tile the peers' partials by an all-gather of that
+tile across the group.
+
+Why the collectives match up: every rank runs the same Plan structure in the interpreter's
+deterministic "schedule" order, so the k-th all-reduce tile a rank reaches is the k-th on every
+rank. That is checked, not assumed: each exchange also gathers (task, step) and a mismatch
+raises instead of summing unrelated tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mpk.backends.cpu.interpreter import CpuExecutor
+from mpk.compiler.plan import Plan
+from mpk.errors import MpkError
+from mpk.tasks.base import grid_points
+
+REDUCE_KIND = "allreduce"
+
+
+class GroupAllReduce:
+    """The CpuExecutor `tile_extra` hook of one rank: peers' partials by all-gather."""
+
+    def __init__(self, plan: Plan, group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_initialized():
+            raise MpkError("GroupAllReduce needs torch.distributed initialised (one process "
+                           "per rank); see mpk.parallel.launch.run_ranks")
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self._tasks: set[int] = set()
+        for op in plan.ops:
+            if op.kind != REDUCE_KIND:
+                continue
+            ranks = dict(op.attrs)["ranks"]
+            if ranks != self.size:
+                raise MpkError(f"allreduce {op.name!r} sums {ranks} ranks, but the process "
+                               f"group has {self.size}")
+            self._tasks.update(range(op.first_task, op.first_task + len(grid_points(op.grid))))
+        self._count = 0
+
+    def __call__(self, task: int, views: dict[str, torch.Tensor]) -> dict[str, object]:
+        if task not in self._tasks:
+            return {}
+        self._count += 1
+        tag = torch.tensor([task, self._count], dtype=torch.int64)
+        tags = [torch.empty_like(tag) for _ in range(self.size)]
+        dist.all_gather(tags, tag, group=self.group)
+        if any(not torch.equal(t, tag) for t in tags):
+            seen = [tuple(int(x) for x in t) for t in tags]
+            raise MpkError(f"rank {self.rank}: the ranks reached different all-reduce tiles "
+                           f"(task, count) {seen}; every rank must run the same Plan")
+        own = views["partial"].contiguous()
+        peers = [torch.empty_like(own) for _ in range(self.size)]
+        dist.all_gather(peers, own, group=self.group)
+        return {"peers": peers}
+
+
+def rank_executor(plan: Plan, poison: bool = True) -> CpuExecutor:
+    """This process's rank of a tensor-parallel Plan on the interpreter (schedule order)."""
+    return CpuExecutor(plan, order="schedule", poison=poison, tile_extra=GroupAllReduce(plan))
