@@ -2,6 +2,7 @@
 # One device call per mode (each fits the 10-minute limit), logs under $OUT (default ./out).
 #   bash scripts/gpu_check.sh correctness   GPU tests, mpk generate on CUDA, compute-sanitizer
 #   bash scripts/gpu_check.sh perf          mpk bench (batch 1 and 8) and mpk profile
+#   bash scripts/gpu_check.sh tp            tensor parallelism (needs >= 2 GPUs: nvidia-h200-x2+)
 # Tune with MODELS="qwen3-0.6b ..." BATCHES="1 8" TOKENS=200 PYTEST_ARGS=...
 set -uo pipefail
 mode=${1:-correctness}
@@ -36,6 +37,13 @@ case $mode in
     step profile 150 python3 -m mpk profile --model "${PROFILE_MODEL:-qwen3-0.6b}" \
       --out "$OUT/profile"
     ;;
-  *) echo "unknown mode $mode (use correctness or perf)"; exit 2 ;;
+  tp)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    step tp_tests 420 python3 -m pytest -q -p no:cacheprovider --timeout 300 tests/gpu/test_tp_gpu.py \
+      tests/parallel ${PYTEST_ARGS:-}
+    step generate_tp2 150 python3 -m mpk generate --model qwen3-8b --backend cuda --tp 2 --json \
+      --max-new-tokens 32
+    ;;
+  *) echo "unknown mode $mode (use correctness, perf or tp)"; exit 2 ;;
 esac
 exit $status

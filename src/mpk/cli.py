@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-seq-len", type=_positive, default=None, metavar="N",
                    help="KV-cache length per sequence (default: what the request needs)")
     g.add_argument("--tp", type=_positive, default=1, metavar="G",
-                   help="tensor-parallel ranks, one process each (default: 1); the cpu backend "
-                        "runs them on the interpreter, the cuda backend does not support G > 1 yet")
+                   help="tensor-parallel ranks, one process (and one GPU) each (default: 1); "
+                        "the CUDA all-reduce has not run on GPUs yet")
     g.add_argument("--json", action="store_true", help="print one JSON object, no progress bars")
 
     p = command("plan", "Compile a model's decode step and show the plan's statistics.", (

@@ -96,11 +96,13 @@ def test_source_depends_only_on_kinds() -> None:
 
 
 def test_params_struct_layout() -> None:
-    # mpk::Params: 8 pointers, then step_begin, num_steps, max_len, timeout_ns, profile
-    # (x86-64 / aarch64).
-    assert ctypes.sizeof(Params) == 96
+    # mpk::Params: 8 pointers, then step_begin, num_steps, max_len, timeout_ns, profile, then the
+    # tensor-parallel peer_arenas, xflags_offset, rank, ranks (x86-64 / aarch64).
+    assert ctypes.sizeof(Params) == 120
     assert Params.step_begin.offset == 64 and Params.timeout_ns.offset == 80
-    assert Params.profile.offset == 88
+    assert Params.profile.offset == 88 and Params.peer_arenas.offset == 96
+    assert Params.xflags_offset.offset == 104 and Params.rank.offset == 112
+    assert Params.ranks.offset == 116
 
 
 def test_arch_selection() -> None:

@@ -90,3 +90,15 @@ def test_qwen3_0_6b_megakernel_compiles_clean(cache_root: Path) -> None:
     result = build.build_plan(plan, arch="sm_90a", cache_root=cache_root)
     assert_clean(result)
     assert set(plan.kinds) <= set(all_kinds())
+
+
+def test_tensor_parallel_megakernel_compiles_clean(cache_root: Path) -> None:
+    """Rank 0 of a 2-way tensor-parallel tiny-qwen3, with the cross-GPU all-reduce."""
+    from mpk.models.builder import DecodeShape
+    from mpk.models.config import get_preset
+    from mpk.parallel import rank_plans
+
+    plan = rank_plans(get_preset("tiny-qwen3"), DecodeShape(batch=1), 2, num_sms=132)[0]
+    assert "allreduce" in plan.kinds
+    result = build.build_plan(plan, arch="sm_90a", cache_root=cache_root)
+    assert_clean(result)

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from mpk import env
 from mpk.check import greedy_mismatches
 from mpk.cli import main
-from mpk.engine import Engine
 from mpk.engine.job import GenerateJob, ModelSource, run_job
 from mpk.errors import MpkError, UnsupportedError
 from mpk.models import get_preset
@@ -86,12 +85,6 @@ def test_cli_generate_with_tp(capsys: pytest.CaptureFixture[str]) -> None:
                  "--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--json"])
     out = json.loads(capsys.readouterr().out)  # rank 0 alone prints
     assert code == 0 and out["tp"] == 2 and len(out["token_ids"][0]) == 4
-
-
-def test_tp_on_cuda_is_refused_with_the_reason() -> None:
-    cfg = get_preset("tiny-qwen3")
-    with pytest.raises(UnsupportedError, match="allreduce task has no CUDA code"):
-        Engine(cfg, random_weights(cfg, 0), backend="cuda", tp=TensorParallel(0, 2))
 
 
 def _mismatched_exchange(tp: TensorParallel) -> None:

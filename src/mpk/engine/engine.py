@@ -84,7 +84,8 @@ class Engine:
     With `tp` (TensorParallel(rank, G), G > 1) the engine is ONE rank of a tensor-parallel
     model and must run in a process of a torch.distributed group of G (mpk.parallel.launch):
     it compiles that rank's Plan, keeps only its shard of the weights and KV heads, and every
-    rank runs the same host loop (the sampled tokens are identical on every rank).
+    rank runs the same host loop (the sampled tokens are identical on every rank). On CUDA the
+    all-reduce runs inside the megakernel over peer memory (never run on GPUs yet).
     """
 
     def __init__(self, cfg: ModelConfig, hf_weights: Mapping[str, torch.Tensor],
@@ -94,10 +95,6 @@ class Engine:
                  tp: TensorParallel | None = None) -> None:
         if tp is not None and tp.size > 1:
             tp.check(cfg)
-            if backend == "cuda":
-                raise UnsupportedError(
-                    "tensor parallelism on the CUDA backend is not built yet: the allreduce "
-                    "task has no CUDA code (docs/tensor-parallel.md); use backend 'cpu'")
         self.tp = tp if tp is not None and tp.size > 1 else None
         if max_seq_len is None:
             max_seq_len = min(DEFAULT_MAX_SEQ_LEN, cfg.max_position)
@@ -179,7 +176,7 @@ class Engine:
                  timings["compile_s"])
         start = time.perf_counter()
         # The CUDA executor runs on the engine's device; the interpreter always on the CPU.
-        if self.tp is not None:
+        if self.tp is not None and opts.backend == "cpu":
             from mpk.parallel.group import rank_executor
 
             executor: Executor = rank_executor(plan)

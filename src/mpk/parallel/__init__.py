@@ -1,8 +1,9 @@
 """Tensor parallelism over the GPUs of one host: sharding, per-rank plans, the CPU simulation.
 
 See docs/tensor-parallel.md. `launch.run_ranks` starts one process per rank and `group` gives a
-rank's interpreter its all-reduce over a torch.distributed group; the CUDA side (an all-reduce
-device function with cross-GPU counters) is not written yet.
+rank's interpreter its all-reduce over a torch.distributed group; on CUDA the all-reduce runs in
+the megakernel over peer memory (tasks/allreduce/sm90.cuh, backends/cuda/peers.py), which has
+not run on GPUs yet.
 """
 
 from mpk.parallel.cpu import CrossRankHazardError, FullModelExecutor, MultiRankCpuExecutor

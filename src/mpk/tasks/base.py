@@ -159,6 +159,9 @@ class TaskKind:
     operands: ClassVar[tuple[OperandSpec, ...]]
     params: ClassVar[tuple[Param, ...]] = ()
     attrs: ClassVar[Mapping[str, Any]] = {}
+    # True when the kind's CUDA code reads the launch's Params (TaskArgs::p), e.g. the global
+    # step or the tensor-parallel peers; megakernels without such a kind compile without it.
+    reads_launch_params: ClassVar[bool] = False
 
     def check(self, op: OpView) -> None:
         """Raise GraphError (via op.error) when shapes, dtypes, splits or attrs are wrong."""

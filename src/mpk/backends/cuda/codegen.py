@@ -2,7 +2,8 @@
 
 The template has five holes, all filled from data, never from hand-kept lists:
   OPTIONS    `#define MPK_PROFILE 1` in the profiling build (per-record timer stamps), else a
-             comment: the macro is the only difference between the two builds;
+             comment: the macro is the only difference between the two builds; and
+             `#define MPK_TASK_PARAMS 1` when a kind reads the launch's Params (TaskArgs::p);
   CONSTANTS  record layout (record.layout_constants() as REC_<NAME>), runtime sizes, the error
              buffer layout (ERROR_FIELDS below, shared with the executor) and the ABI version;
   KINDS      for each kind of the plan (kind id = index in plan.kinds): its operand slots
@@ -29,7 +30,7 @@ CSRC_DIR = Path(__file__).parent / "csrc"
 TEMPLATE = CSRC_DIR / "megakernel.cu.in"
 
 # Bump when Params, the error buffer or the exported host functions change meaning.
-ABI_VERSION = 2  # 2: Params.profile
+ABI_VERSION = 3  # 2: Params.profile; 3: tensor-parallel peers
 NUM_THREADS = 256
 SMEM_BYTES = 200 * 1024  # dynamic shared memory per CTA, all of it handed to the running task
 ARCH_SUFFIX = "sm90"  # which <kind>/<arch>.cuh the kinds are included from
@@ -50,7 +51,8 @@ ERROR_FIELDS: dict[str, int] = {
     "STEP_HI": 11,
 }
 ERROR_WORDS = 16
-ERROR_CODES: dict[str, int] = {"TIMEOUT": 1, "BAD_KIND": 2}
+# PEER_TIMEOUT: an all-reduce waited too long for a peer GPU's partial (COUNTER = the peer rank).
+ERROR_CODES: dict[str, int] = {"TIMEOUT": 1, "BAD_KIND": 2, "PEER_TIMEOUT": 3}
 
 # Per-SM stop state [num_sms, SM_STATE_WORDS] (emitted as SMS_<NAME>): where each CTA stopped
 # after a failure. STATUS stays 0 for a CTA that finished its list (or never stopped).
@@ -129,10 +131,13 @@ def kind_names_block(kinds: Sequence[str]) -> str:
             f"nullptr}};")
 
 
-def options_block(profile: bool) -> str:
-    if profile:
-        return "#define MPK_PROFILE 1  // stamp every record into Params::profile"
-    return "// none: profiling compiled out"
+def options_block(profile: bool, kinds: Sequence[str] = ()) -> str:
+    lines = ["#define MPK_PROFILE 1  // stamp every record into Params::profile" if profile
+             else "// profiling compiled out"]
+    readers = [k for k in kinds if get_kind(k).reads_launch_params]
+    if readers:
+        lines.append(f"#define MPK_TASK_PARAMS 1  // TaskArgs::p, for {', '.join(readers)}")
+    return "\n".join(lines)
 
 
 def render_kinds(kinds: Sequence[str], profile: bool = False) -> str:
@@ -141,7 +146,7 @@ def render_kinds(kinds: Sequence[str], profile: bool = False) -> str:
     if len(set(kinds)) != len(kinds):
         raise CompileError(f"duplicate kinds in {list(kinds)}")
     holes = {
-        "OPTIONS": options_block(profile),
+        "OPTIONS": options_block(profile, kinds),
         "CONSTANTS": constants_block(),
         "KINDS": "\n\n".join(kind_block(i, name) for i, name in enumerate(kinds)),
         "DISPATCH": dispatch_block(kinds),

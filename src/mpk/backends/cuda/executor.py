@@ -9,6 +9,9 @@ Device state (all torch allocations on the executor's device):
   pointer table int64 [num_tensors] of base addresses, rebuilt when a binding changes;
   profile     (profile=True only) int64 [steps, num_sms, max_len, PROF_STAMPS] %globaltimer
               stamps, allocated per run (codegen.PROFILE_STAMPS; read with last_profile()).
+A Plan that is one rank of a tensor-parallel model (allreduce ops over G > 1 ranks) gets its
+arena in symmetric memory with the cross-GPU flags after it (backends/cuda/peers.py); creating
+its executor is then a collective of the G processes.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from mpk.compiler.plan import Plan, PlanTensor
 from mpk.dtypes import DType
 from mpk.errors import KernelHangError, MpkError, UnsupportedError
 
-from . import build, codegen, diagnose
+from . import build, codegen, diagnose, peers
 from .loader import KernelInfo, Megakernel, Params
 
 BINDABLE_ROLES = ("weight", "io")
@@ -70,8 +73,13 @@ class CudaExecutor:
                                    f"{self.kernel_info.static_smem} bytes of shared memory)")
 
         dev = self.device
-        self.arena = torch.full((max(plan.arena_bytes, 1),), 0xFF if poison else 0,
-                                dtype=torch.uint8, device=dev)
+        self._peers: peers.PeerArena | None = None
+        if peers.plan_ranks(plan) > 1:
+            self._peers = peers.allocate(plan, dev, poison)
+            self.arena = self._peers.arena
+        else:
+            self.arena = torch.full((max(plan.arena_bytes, 1),), 0xFF if poison else 0,
+                                    dtype=torch.uint8, device=dev)
         self.counters = torch.zeros(max(plan.num_counters, 1), dtype=torch.int64, device=dev)
         self._error = torch.zeros(codegen.ERROR_WORDS, dtype=torch.int32, device=dev)
         # Pinned mirror: the error code comes back with the same stream sync as the kernel.
@@ -141,8 +149,14 @@ class CudaExecutor:
             abort_flag=self._abort.data_ptr(), sm_state=self._sm_state.data_ptr(),
             step_begin=self.step, num_steps=num_steps,
             max_len=self._max_len, timeout_ns=int(self.timeout_s * 1e9),
-            profile=None if stamps is None else stamps.data_ptr())
+            profile=None if stamps is None else stamps.data_ptr(), **self._peer_params())
         stream = torch.cuda.current_stream(self.device)
+        if self._peers is not None:
+            # The ranks' launches must overlap: a rank that reaches its launch seconds later
+            # (a slower build, host work) would trip its peers' watchdogs in the all-reduce.
+            import torch.distributed as dist
+
+            dist.barrier()
         with torch.cuda.device(self.device):
             rc = self.kernel.launch(params, self.plan.num_sms, self.device.index,
                                     stream.cuda_stream)
@@ -183,6 +197,13 @@ class CudaExecutor:
         raise MpkError(f"tensor '{name}' ({spec.role}) is not bound yet: call bind() first")
 
     # ---- internals -------------------------------------------------------------------------
+    def _peer_params(self) -> dict[str, int | None]:
+        if self._peers is None:
+            return {"peer_arenas": None, "xflags_offset": 0, "rank": 0, "ranks": 1}
+        tp = self._peers
+        return {"peer_arenas": tp.bases.data_ptr(), "xflags_offset": tp.xflags_offset,
+                "rank": tp.rank, "ranks": tp.ranks}
+
     def _lookup(self, name: str) -> tuple[int, PlanTensor]:
         try:
             tid = self.plan.tensor_id(name)
@@ -224,6 +245,13 @@ class CudaExecutor:
         counter = err[f["COUNTER"]]
         value = record.join64(err[f["VALUE_LO"]], err[f["VALUE_HI"]])
         target = record.join64(err[f["TARGET_LO"]], err[f["TARGET_HI"]])
+        if code == codegen.ERROR_CODES["PEER_TIMEOUT"]:
+            return KernelHangError(
+                f"the megakernel watchdog ({self.timeout_s:g} s) stopped the kernel: task {task} "
+                f"{name} on SM {sm} waited for tensor-parallel rank {counter}'s partial of global "
+                f"step {step} (its flag is {value}, needs {target}); that rank is slower by more "
+                f"than the watchdog, stopped, or runs another plan.\n{story}\n"
+                f"The executor's counters are now inconsistent; create a new executor.")
         return KernelHangError(
             f"the megakernel watchdog ({self.timeout_s:g} s) stopped the kernel.\n{story}\n"
             f"first timeout: task {task} {name} on SM {sm} (position {index}) at global step "

@@ -13,7 +13,7 @@ from . import codegen
 
 
 class Params(ctypes.Structure):
-    """Mirror of mpk::Params in csrc/runtime.cuh (checked against sizeof at load)."""
+    """Mirror of mpk::Params in csrc/params.cuh (checked against sizeof at load)."""
 
     _fields_ = [
         ("instrs", ctypes.c_void_p),
@@ -29,6 +29,10 @@ class Params(ctypes.Structure):
         ("max_len", ctypes.c_int),
         ("timeout_ns", ctypes.c_longlong),
         ("profile", ctypes.c_void_p),  # profiling builds only; null otherwise
+        ("peer_arenas", ctypes.c_void_p),  # tensor parallelism only; null otherwise
+        ("xflags_offset", ctypes.c_longlong),
+        ("rank", ctypes.c_int),
+        ("ranks", ctypes.c_int),
     ]
 
 

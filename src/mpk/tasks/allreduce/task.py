@@ -13,11 +13,12 @@ the sum IS the full fp32 dot product, only summed in another order (see docs/ten
 The peers' partials are not operands of this rank's Plan (they live in other ranks' memory), so
 the task reads them through `tile.extra["peers"]`: the same tile of `partial` in every rank's
 tensors, in rank order (mpk.parallel.cpu.MultiRankCpuExecutor provides them, after every rank's
-producer of that tile has run this step). With ranks=1 the own partial is the only peer, so a
+producer of that tile has run this step; mpk.parallel.group gathers them across processes). With ranks=1 the own partial is the only peer, so a
 one-rank plan also runs on the plain CpuExecutor.
 
 The grid splits H (grid axis 0 cuts dim 1 of partial, residual and out); B is never split.
-There is no sm90.cuh yet: the CUDA backend refuses plans that use this kind (see the docs).
+sm90.cuh reads the peers' partials from their GPUs' memory (docs/tensor-parallel.md); it was
+compiled (ptxas) but, with no multi-GPU machine, never run.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class AllReduce(TaskKind):
     params = (Param("batch"), Param("hidden"), Param("tile_n"), Param("ranks"),
               Param("partial_f32"), Param("has_residual"), Param("out_f32"))
     attrs = {"ranks": 1}
+    reads_launch_params = True  # the peers' arenas, the flags, the step and the watchdog
 
     def default_splits(self, grid, tensors):
         return {"partial": (1, None, None), "residual": (1, None, None), "out": (1, None, None)}

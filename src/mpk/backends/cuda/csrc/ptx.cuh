@@ -28,6 +28,19 @@ __device__ __forceinline__ void red_release_add_u64(unsigned long long* p, unsig
   asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// System-scope acquire load: for flags that a PEER GPU releases (tensor parallelism).
+__device__ __forceinline__ unsigned long long ld_acquire_sys_u64(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// System-scope release store (possibly into a peer GPU's memory): every write this thread has
+// observed (its own, and those it acquired) is visible to a peer that acquires the value.
+__device__ __forceinline__ void st_release_sys_u64(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 // Nanosecond wall clock shared by all SMs (the watchdog, and the stamps of profiling builds).
 __device__ __forceinline__ unsigned long long globaltimer() {
   unsigned long long t;

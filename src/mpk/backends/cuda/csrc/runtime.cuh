@@ -33,29 +33,11 @@
 #pragma once
 #include <stdint.h>
 
+#include "params.cuh"
 #include "ptx.cuh"
 #include "task_args.cuh"
 
 namespace mpk {
-
-// Launch parameters; mirrored by mpk/backends/cuda/loader.py (Params), checked by size.
-struct Params {
-  const int* instrs;             // [num_sms, max_len, REC_WORDS]
-  const int* lengths;            // [num_sms]
-  const int* op_params;          // [num_ops, PARAM_WORDS]
-  void* const* tensors;          // [num_tensors] device base pointers, index = tensor id
-  unsigned long long* counters;  // [num_counters], monotonic
-  int* error;                    // [ERR_WORDS], ERR_CODE == 0 while all is well
-  int* abort_flag;               // set to 1 by the first CTA that fails; all CTAs then exit
-  int* sm_state;                 // [num_sms, SMS_WORDS]: where each CTA stopped (diagnosis)
-  long long step_begin;          // global step of local step 0
-  int num_steps;
-  int max_len;                   // row stride of instrs, in records
-  long long timeout_ns;          // watchdog: the longest one wait may spin
-  // [num_steps, num_sms, max_len, PROF_STAMPS] %globaltimer ns, written only by MPK_PROFILE
-  // builds (null otherwise; the default build compiles every stamp out).
-  unsigned long long* profile;
-};
 
 // Record ring in static shared memory. Four slots: while record k runs, warp 1 fills slot k+2
 // and thread 0 reads slot k+1's prefetch ranges; after the task, thread 0 still reads record
@@ -119,29 +101,6 @@ __device__ __forceinline__ void prefetch_slot(const Slot& slot) {
       ptx::prefetch_l2_bulk(reinterpret_cast<const void*>(a), (uint32_t)n);
     }
   }
-}
-
-// Record a failure (first one wins) and tell every CTA to stop. Out of line: it is cold, and
-// taking pointers by value (not `const Params&`) keeps the kernel free of a local-memory copy.
-__device__ __noinline__ void report_failure(int* error, int* abort_flag, int code, int sm,
-                                            const int* rec, int index, int counter,
-                                            unsigned long long value, unsigned long long target,
-                                            long long g) {
-  if (atomicCAS(error + ERR_CODE, 0, code) == 0) {
-    error[ERR_SM] = sm;
-    error[ERR_TASK] = rec[REC_TASK];
-    error[ERR_KIND] = rec[REC_KIND];
-    error[ERR_INDEX] = index;
-    error[ERR_COUNTER] = counter;
-    error[ERR_VALUE_LO] = (int)(value & 0xffffffffull);
-    error[ERR_VALUE_HI] = (int)(value >> 32);
-    error[ERR_TARGET_LO] = (int)(target & 0xffffffffull);
-    error[ERR_TARGET_HI] = (int)(target >> 32);
-    error[ERR_STEP_LO] = (int)((unsigned long long)g & 0xffffffffull);
-    error[ERR_STEP_HI] = (int)((unsigned long long)g >> 32);
-    __threadfence();
-  }
-  atomicExch(abort_flag, 1);
 }
 
 // Thread 0: note where this CTA stopped, so the host can tell the root cause of a hang from the
@@ -220,7 +179,19 @@ __device__ __forceinline__ bool wait_record(const Params& p, const int* rec, int
 
 }  // namespace mpk
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) mpk_megakernel(const mpk::Params p) {
+#ifdef MPK_TASK_PARAMS
+// A kind of this plan reads the launch's Params (TaskArgs::p): __grid_constant__ lets it take
+// &p without the kernel copying Params to local memory. Plans without such a kind keep the
+// plain parameter, whose code is the one measured on the H200 (the qualifier alone changes
+// the generated code).
+#define MPK_PARAMS_DECL const __grid_constant__ mpk::Params p
+#define MPK_PARAMS_PTR (&p)
+#else
+#define MPK_PARAMS_DECL const mpk::Params p
+#define MPK_PARAMS_PTR nullptr
+#endif
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) mpk_megakernel(MPK_PARAMS_DECL) {
   using namespace mpk;
   extern __shared__ __align__(1024) char dyn_smem[];
   __shared__ __align__(16) Slot ring[RING];
@@ -276,7 +247,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) mpk_megakernel(cons
 #endif
 
     const TaskArgs a{rec, p.op_params + (long long)rec[REC_OP] * PARAM_WORDS, p.tensors, s,
-                     dyn_smem};
+                     dyn_smem, MPK_PARAMS_PTR};
     if (!dispatch(rec[REC_KIND], a)) {  // uniform across the CTA: every thread returns
       if (tid == 0) {
         record_stop(p, SMS_STATUS_BAD_KIND, sm, i, s, -1);

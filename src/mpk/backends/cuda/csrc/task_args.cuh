@@ -7,9 +7,14 @@
 // tensors : the tensor table: device base pointer of every tensor of the Plan.
 // step    : the LOCAL decode step inside this launch (0 .. num_steps-1).
 // smem    : this CTA's dynamic shared memory (SMEM_BYTES, generated).
+// p       : the launch's Params (the global step, the watchdog, the tensor-parallel peers),
+//           only for kinds that declare reads_launch_params in task.py (nullptr otherwise).
 #pragma once
 #include <cuda_bf16.h>
 #include <stdint.h>
+
+#include "params.cuh"
+#include "ptx.cuh"
 
 // How a kind declares its entry point: `MPK_TASK_ENTRY void run(const mpk::TaskArgs& a)`.
 // Force-inlined into the dispatch switch: as an out-of-line (__noinline__) ABI call, every task
@@ -35,6 +40,7 @@ struct TaskArgs {
   void* const* tensors;
   int step;
   char* smem;
+  const Params* p;
 
   // Pointer to the first element of operand `slot`'s TILE (tile offset already applied), or
   // nullptr when the optional operand is absent. Slots are generated per kind as O_<NAME>.
