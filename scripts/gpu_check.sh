@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One device call per mode (each fits the 10-minute limit), logs under $OUT (default ./out).
 #   bash scripts/gpu_check.sh correctness   GPU tests, mpk generate on CUDA, compute-sanitizer
-#   bash scripts/gpu_check.sh perf          mpk bench (batch 1 and 8) and mpk profile
+#   bash scripts/gpu_check.sh perf          mpk bench (BATCHES, default 1) and mpk profile
 #   bash scripts/gpu_check.sh tp            tensor parallelism (needs >= 2 GPUs: nvidia-h200-x2+)
 # Tune with MODELS="qwen3-0.6b ..." BATCHES="1 8" TOKENS=200 PYTEST_ARGS=...
+# The step limits of one mode add up to less than the device's 10-minute call limit (with the
+# install); qwen3-8b / llama-3.1-8b benches (16 GB of random weights, a torch.compile baseline)
+# want a call of their own: MODELS=qwen3-8b.
 set -uo pipefail
 mode=${1:-correctness}
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -20,15 +23,20 @@ step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, remember failur
 }
 case $mode in
   correctness)
-    step gpu_tests 420 python3 -m pytest -q -p no:cacheprovider --timeout 120 tests/gpu tests/cuda \
+    step gpu_tests 330 python3 -m pytest -q -p no:cacheprovider --timeout 120 tests/gpu tests/cuda \
       tests/profile ${PYTEST_ARGS:-}
     step generate 90 python3 -m mpk generate --model qwen3-0.6b --backend cuda --json \
       --max-new-tokens 32
+    before=$status
     step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 \
       python3 -m mpk generate --model tiny-qwen3 --backend cuda --max-new-tokens 4 --json
+    # Some hosts' sandboxes refuse the sanitizer outright: that is "not run", not a failure.
+    if grep -q "Device not supported" "$OUT/memcheck.log"; then
+      echo "memcheck NOT RUN: compute-sanitizer does not support this host"; status=$before
+    fi
     ;;
   perf)
-    for model in ${MODELS:-qwen3-0.6b llama-3.2-1b qwen3-8b}; do
+    for model in ${MODELS:-qwen3-0.6b llama-3.2-1b}; do
       for batch in ${BATCHES:-1}; do
         step "bench-$model-b$batch" 150 python3 -m mpk bench --model "$model" --batch "$batch" \
           --new-tokens "${TOKENS:-200}"

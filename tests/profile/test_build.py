@@ -36,15 +36,16 @@ def test_profile_build_differs_by_the_macro_only(plan: Plan) -> None:
 
 def test_params_mirror_matches_runtime_cuh() -> None:
     """loader.Params must list mpk::Params' fields in order (the size check at load time only
-    catches a size change); the profile pointer is the last field."""
-    source = (codegen.CSRC_DIR / "runtime.cuh").read_text()
+    catches a size change); the tensor-parallel fields come after the profile pointer."""
+    source = (codegen.CSRC_DIR / "params.cuh").read_text()
     body = re.search(r"struct Params \{(.*?)\};", source, re.DOTALL).group(1)
     body = re.sub(r"//[^\n]*", "", body)
     fields = [re.findall(r"(\w+)\s*$", decl.strip())[0] for decl in body.split(";")
               if decl.strip()]
     assert fields == [name for name, _ in Params._fields_]
-    assert fields[-1] == "profile" and Params.profile.offset == 88
-    assert codegen.ABI_VERSION >= 2
+    assert fields[-5:] == ["profile", "peer_arenas", "xflags_offset", "rank", "ranks"]
+    assert Params.profile.offset == 88
+    assert codegen.ABI_VERSION >= 3
 
 
 @pytest.mark.nvcc

@@ -39,7 +39,9 @@ def test_profiled_chain_gives_the_same_result_and_ordered_stamps() -> None:
     assert step_begin == 2 and stamps.shape == (3, SMS, int(plan.lengths.max()), 3)
     tl = from_stamps(stamps, plan, step_begin)
     assert len(tl) == plan.num_tasks * 3 and tl.missing == 0
-    assert (tl.wait_ns >= 0).all() and (tl.run_ns > 0).all()
+    # %globaltimer ticks coarsely (about 1 us) and a stub task is shorter, so a single task's
+    # run time may read 0; the stamps must still be ordered and the total positive.
+    assert (tl.wait_ns >= 0).all() and (tl.run_ns >= 0).all() and tl.run_ns.sum() > 0
     names = tl.op_names()
     for s in range(3):  # inc1 waits for every inc0 task of its step, inc2 for every inc1
         for before, after in itertools.pairwise(CHAIN_OPS):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -29,6 +30,7 @@ from mpk.parallel.tp import TensorParallel
 
 T = TypeVar("T")
 POLL_S = 1.0
+FAILURE_GRACE_S = 3.0
 GROUP_TIMEOUT_S = 300  # how long a collective may wait for a peer before torch gives up
 
 
@@ -69,23 +71,33 @@ def run_ranks(size: int, fn: Callable[..., T], *args: Any, backend: str = "cpu")
 
 
 def _collect(procs: list[Any], pipes: list[Connection]) -> Any:
-    """Wait for every rank's report; the first failure (or a silent death) ends the run."""
+    """Wait for every rank's report; rank 0's value. After the first failure the other ranks
+    get FAILURE_GRACE_S to report too (a peer of a crashed rank usually fails on its broken
+    connection), and the error lists every failure, ranks that died first: the root cause."""
     pending = dict(enumerate(pipes))
     value = None
-    while pending:
+    failures: dict[int, tuple[bool, str]] = {}  # rank -> (died, message)
+    deadline = None
+    while pending and (deadline is None or time.monotonic() < deadline):
         for conn in wait(list(pending.values()), timeout=POLL_S):
             rank = pipes.index(conn)  # type: ignore[arg-type]
+            del pending[rank]
             try:
                 ok, payload = conn.recv()
             except EOFError:
                 procs[rank].join(timeout=10)  # the pipe closes just before the exit code is set
-                raise RankFailedError(f"tensor-parallel rank {rank} exited with code "
-                                      f"{procs[rank].exitcode} before reporting a result") from None
+                failures[rank] = (True, f"rank {rank} exited with code {procs[rank].exitcode} "
+                                        f"before reporting a result")
+                continue
             if not ok:
-                raise RankFailedError(f"tensor-parallel rank {rank} failed: {payload}")
-            del pending[rank]
-            if rank == 0:
+                failures[rank] = (False, f"rank {rank} failed: {payload}")
+            elif rank == 0:
                 value = payload
+        if failures and deadline is None:
+            deadline = time.monotonic() + FAILURE_GRACE_S
+    if failures:
+        ordered = sorted(failures.items(), key=lambda item: (not item[1][0], item[0]))
+        raise RankFailedError("tensor-parallel " + "; ".join(msg for _, (_, msg) in ordered))
     return value
 
 
