@@ -47,10 +47,11 @@ case $mode in
     ;;
   tp)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    step tp_tests 420 python3 -m pytest -q -p no:cacheprovider --timeout 300 tests/gpu/test_tp_gpu.py \
+    step tp_tests 300 python3 -m pytest -q -p no:cacheprovider --timeout 300 tests/gpu/test_tp_gpu.py \
       tests/parallel ${PYTEST_ARGS:-}
-    step generate_tp2 150 python3 -m mpk generate --model qwen3-8b --backend cuda --tp 2 --json \
+    step generate_tp2 100 python3 -m mpk generate --model qwen3-8b --backend cuda --tp 2 --json \
       --max-new-tokens 32
+    step bench_tp2 150 python3 -m mpk bench --model qwen3-8b --tp 2 --new-tokens 100
     ;;
   *) echo "unknown mode $mode (use correctness, perf or tp)"; exit 2 ;;
 esac

@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--new-tokens", type=_positive, default=200, metavar="N",
                    help="timed decode steps per repeat (default: 200)")
     b.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    b.add_argument("--tp", type=_positive, default=1, metavar="G",
+                   help="MPK on G GPUs, tensor parallel, one process each (default: 1; the "
+                        "baseline stays on one GPU; not run on GPUs yet)")
     b.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
     pr = command("profile", "Profile one launch on the GPU: a Perfetto trace (one track per SM), "
@@ -397,24 +400,27 @@ def _model_on_gpu(args: argparse.Namespace, command: str) -> tuple[Any, dict[str
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from mpk.bench.mpk_decoder import MpkDecoder
-    from mpk.bench.runner import bench_prompt, format_table, run_bench
+    import torch
 
-    cfg, weights, _ = _model_on_gpu(args, "bench")
-    prompt = bench_prompt(cfg, args.batch, 16, args.seed)
-    decoder = MpkDecoder(cfg, weights, prompt, args.new_tokens)
-    mpk_tokens = decoder.tokens(16)
-    result = run_bench(cfg, args.batch, args.new_tokens, args.seed, decoder.step,
-                       weights=weights, prompt_len=16)
-    same = sum(a == b for a, b in zip(mpk_tokens, result["baseline_tokens"]))
-    result.update(mpk_plan_s=round(decoder.plan_s, 2), mpk_build_s=round(decoder.build_s, 2),
-                  mpk_tokens=mpk_tokens, tokens_agree=f"{same}/{len(mpk_tokens)}")
+    from mpk.bench.job import BenchJob, run_bench_job
+    from mpk.bench.runner import format_table
+    from mpk.engine.job import ModelSource
+    from mpk.errors import UnsupportedError
+    from mpk.models import get_preset, load_config
+
+    if not torch.cuda.is_available():
+        raise UnsupportedError("mpk bench needs a CUDA GPU (torch.cuda is unavailable here)")
+    cfg = load_config(args.checkpoint) if args.checkpoint else get_preset(args.model)
+    job = BenchJob(ModelSource(cfg, args.checkpoint, args.seed), args.batch, args.new_tokens)
+    result = run_bench_job(job, args.tp)
     if args.json:
         print(json.dumps(result, default=str))
     else:
         print(format_table(result))
-        print(f"MPK compile: plan {decoder.plan_s:.1f} s, nvcc {decoder.build_s:.1f} s (cached "
-              f"after the first run); first 16 greedy tokens agree: {same}/{len(mpk_tokens)}")
+        print(f"MPK compile: plan {result['mpk_plan_s']:.1f} s, nvcc {result['mpk_build_s']:.1f} "
+              f"s (cached after the first run); first 16 greedy tokens agree: "
+              f"{result['tokens_agree']}" + (f"; MPK on {args.tp} GPUs (tensor parallel), "
+                                             f"torch.compile on 1" if args.tp > 1 else ""))
     return 0
 
 

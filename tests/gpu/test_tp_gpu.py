@@ -14,7 +14,7 @@ from mpk.models.builder import DecodeShape
 from mpk.models.config import get_preset
 from mpk.models.reference import ReferenceModel
 from mpk.models.weights import random_weights
-from mpk.parallel import TensorParallel, rank_plans
+from mpk.parallel import RankView, TensorParallel, rank_plans
 from mpk.parallel.launch import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -61,20 +61,10 @@ def _one_rank_never_launches(tp: TensorParallel) -> str:
     if tp.rank != 0:
         dist.barrier()  # the barrier rank 0's run() holds before its launch
         return ""
-    bind_model(_RankBinder(ex, tp), plan, cfg, shape, random_weights(cfg, 0), 0)
+    bind_model(RankView(ex, tp), plan, cfg, shape, random_weights(cfg, 0), 0)
     with pytest.raises(KernelHangError) as info:
         ex.run(1)
     return str(info.value)
-
-
-class _RankBinder:
-    """bind_model's full tensors -> this rank's shards."""
-
-    def __init__(self, ex: object, tp: TensorParallel) -> None:
-        self.ex, self.tp = ex, tp
-
-    def bind(self, name: str, tensor: torch.Tensor) -> None:
-        self.ex.bind(name, self.tp.shard(name, tensor).contiguous())  # type: ignore[attr-defined]
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")

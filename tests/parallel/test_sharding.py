@@ -107,3 +107,23 @@ def test_default_graph_is_unchanged() -> None:
     assert not any(name.endswith("_partial") for name in g.tensors)
     down = next(op for op in g.ops if op.name == "layers.1.down")
     assert dict(down.operands)["residual"] == dict(down.operands)["out"] == "hidden"
+
+
+def test_rank_view_binds_each_rank_its_shard() -> None:
+    """One rank per process (RankView) binds exactly what the one-process G-rank executor
+    gives that rank."""
+    from mpk.backends.cpu.interpreter import CpuExecutor
+    from mpk.check import bind_model
+    from mpk.parallel import MultiRankCpuExecutor, RankView, rank_plans
+
+    cfg = get_preset("tiny-llama")
+    weights = random_weights(cfg, 3)
+    plans = rank_plans(cfg, SHAPE, 2, num_sms=4)
+    together = MultiRankCpuExecutor(plans)
+    bind_model(together.as_executor(), plans[0], cfg, SHAPE, weights, 3)
+    for tp in TensorParallel.all(2):
+        alone = CpuExecutor(plans[tp.rank])
+        bind_model(RankView(alone, tp), plans[tp.rank], cfg, SHAPE, weights, 3)
+        for t in plans[tp.rank].tensors:
+            if t.role != Role.ACTIVATION.value:
+                assert torch.equal(alone.read(t.name), together.read(tp.rank, t.name)), t.name

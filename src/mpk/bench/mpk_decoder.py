@@ -12,22 +12,30 @@ from mpk.check import bind_model
 from mpk.compiler.lower import compile_graph
 from mpk.models.builder import DecodeShape, build_graph
 from mpk.models.config import ModelConfig
+from mpk.parallel.tp import RankView, TensorParallel
 
 
 class MpkDecoder:
-    """`step(n)` runs n greedy decode steps in one launch starting at position len(prompt)."""
+    """`step(n)` runs n greedy decode steps in one launch starting at position len(prompt).
+
+    With `tp` this is one rank of a tensor-parallel run (one process per GPU, every rank
+    making the same calls): it compiles the rank's Plan and binds its shard of `weights`."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prompt: torch.Tensor,
-                 new_tokens: int, num_sms: int | None = None, page_size: int = 16) -> None:
+                 new_tokens: int, num_sms: int | None = None, page_size: int = 16,
+                 tp: TensorParallel | None = None) -> None:
         batch, self.prompt_len = prompt.shape
-        num_sms = num_sms or torch.cuda.get_device_properties(0).multi_processor_count
+        num_sms = num_sms or torch.cuda.get_device_properties(
+            torch.cuda.current_device()).multi_processor_count
         pages = -(-(self.prompt_len + new_tokens + 1) // page_size)
         self.shape = DecodeShape(batch=batch, steps_per_launch=max(self.prompt_len, new_tokens),
                                  page_size=page_size, max_pages=pages, num_pages=batch * pages)
         t0 = time.perf_counter()
-        self.plan = compile_graph(build_graph(cfg, self.shape, num_sms=num_sms), num_sms)
+        graph = build_graph(cfg, self.shape, num_sms=num_sms, tp=tp)
+        self.plan = compile_graph(graph, num_sms)
         self.plan_s = time.perf_counter() - t0
-        self.executor = create_executor(self.plan, "cuda")
+        executor = create_executor(self.plan, "cuda")
+        self.executor = executor if tp is None else RankView(executor, tp)
         self.build_s = time.perf_counter() - t0 - self.plan_s
         bind_model(self.executor, self.plan, cfg, self.shape, weights, seed=0)
         forced = torch.full((self.shape.steps_per_launch, batch), -1, dtype=torch.int32)

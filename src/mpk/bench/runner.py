@@ -22,6 +22,8 @@ from mpk.models.weights import random_weights
 
 BASELINE = "torch.compile"
 MPK = "mpk"
+WARMUP = 1  # untimed runs of each system before the timed ones
+REPEATS = 3  # timed runs of `new_tokens` steps; the median is reported
 
 
 def weight_bytes_per_token(cfg: ModelConfig, elem_bytes: int = 2) -> int:
@@ -49,7 +51,7 @@ def _system(timing: dict[str, Any], batch: int, floor: float) -> dict[str, Any]:
 def run_bench(cfg: ModelConfig, batch: int = 1, new_tokens: int = 200, seed: int = 0,
               mpk_step: Callable[[int], object] | None = None, *,
               weights: dict[str, torch.Tensor] | None = None, prompt_len: int = 16,
-              max_seq: int = 1024, warmup: int = 1, repeats: int = 3,
+              max_seq: int = 1024, warmup: int = WARMUP, repeats: int = REPEATS,
               check_tokens: int = 16) -> dict[str, Any]:
     """Time greedy decode of `cfg` on the current CUDA device; returns a result dict.
 

@@ -34,7 +34,7 @@ class ModelSource:
         if self.checkpoint is None:
             return random_weights(self.cfg, self.seed, device)
         _, weights = load_checkpoint(self.checkpoint)
-        return weights
+        return {name: t.to(device) for name, t in weights.items()}
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ not run on GPUs yet.
 
 from mpk.parallel.cpu import CrossRankHazardError, FullModelExecutor, MultiRankCpuExecutor
 from mpk.parallel.plans import rank_plans
-from mpk.parallel.tp import TensorParallel, shard_dim, unshard
+from mpk.parallel.tp import RankView, TensorParallel, shard_dim, unshard
 
-__all__ = ["CrossRankHazardError", "FullModelExecutor", "MultiRankCpuExecutor", "TensorParallel",
-           "rank_plans", "shard_dim", "unshard"]
+__all__ = ["CrossRankHazardError", "FullModelExecutor", "MultiRankCpuExecutor", "RankView",
+           "TensorParallel", "rank_plans", "shard_dim", "unshard"]

@@ -86,8 +86,8 @@ def _collect(procs: list[Any], pipes: list[Connection]) -> Any:
                 ok, payload = conn.recv()
             except EOFError:
                 procs[rank].join(timeout=10)  # the pipe closes just before the exit code is set
-                failures[rank] = (True, f"rank {rank} exited with code {procs[rank].exitcode} "
-                                        f"before reporting a result")
+                code = procs[rank].exitcode
+                failures[rank] = (True, f"rank {rank} exited with code {code} before a result")
                 continue
             if not ok:
                 failures[rank] = (False, f"rank {rank} failed: {payload}")

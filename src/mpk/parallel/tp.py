@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -113,6 +114,29 @@ class TensorParallel:
     def shard_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """graph_weights' output -> this rank's (contiguous, so a device copy is one slab)."""
         return {name: self.shard(name, t).contiguous() for name, t in weights.items()}
+
+
+class RankView:
+    """One rank's executor (in its own process) seen as an executor of the FULL model: bind and
+    write take full tensors and keep this rank's shard; read and run pass through (reads of
+    sharded tensors return the shard). Lets full-model helpers such as mpk.check.bind_model
+    drive one rank."""
+
+    def __init__(self, executor: Any, tp: TensorParallel) -> None:
+        self.executor, self.tp = executor, tp
+        self.plan = executor.plan
+
+    def bind(self, name: str, tensor: torch.Tensor) -> None:
+        self.executor.bind(name, self.tp.shard(name, tensor).contiguous())
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        self.executor.write(name, self.tp.shard(name, value).contiguous())
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.executor.read(name)
+
+    def run(self, num_steps: int = 1) -> None:
+        self.executor.run(num_steps)
 
 
 def unshard(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
