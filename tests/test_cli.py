@@ -165,6 +165,18 @@ def test_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert sum(plan["meta"]["waits_histogram"].values()) == plan["num_tasks"]
 
 
+def test_plan_of_one_tensor_parallel_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "--model", "tiny-qwen3", "--num-sms", "8", "--json")
+    single = json.loads(out)
+    code2, out2, _ = run(capsys, "plan", "--model", "tiny-qwen3", "--num-sms", "8", "--tp", "2",
+                         "--json")
+    rank = json.loads(out2)
+    assert code == code2 == 0 and rank["tp"] == 2
+    kinds = rank["meta"]["ops_per_kind"]
+    assert kinds["allreduce"] == 2 * get_preset("tiny-qwen3").num_layers
+    assert rank["meta"]["weight_bytes_per_step"] < single["meta"]["weight_bytes_per_step"]
+
+
 def test_check_with_a_stub(capsys: pytest.CaptureFixture[str],
                            monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []

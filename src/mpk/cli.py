@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode steps per launch (default: 16)")
     p.add_argument("--max-seq-len", type=_positive, default=4096, metavar="N",
                    help="KV-cache length per sequence (default: 4096)")
+    p.add_argument("--tp", type=_positive, default=1, metavar="G",
+                   help="compile rank 0 of G tensor-parallel ranks (default: 1)")
     p.add_argument("--json", action="store_true", help="print the statistics as one JSON object")
 
     c = command("check", "Compare a backend's buffers with the reference, layer by layer.", (
@@ -306,11 +308,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     shape = options.decode_shape(args.batch)
     start = time.perf_counter()
     quiet = args.json or not sys.stderr.isatty()
+    tp = None
+    if args.tp > 1:
+        from mpk.parallel import TensorParallel
+
+        tp = TensorParallel(0, args.tp)  # every rank's plan has the same tasks and schedule
     with nullcontext() if quiet else _console(stderr=True).status(f"compiling {cfg.name}"):
-        plan = compile_graph(build_graph(cfg, shape, num_sms=args.num_sms), num_sms=args.num_sms)
+        graph = build_graph(cfg, shape, num_sms=args.num_sms, tp=tp)
+        plan = compile_graph(graph, num_sms=args.num_sms)
     compile_s = time.perf_counter() - start
     meta = plan.meta
-    summary = {"model": cfg.name, "num_sms": plan.num_sms, "batch": args.batch,
+    summary = {"model": cfg.name, "tp": args.tp, "num_sms": plan.num_sms, "batch": args.batch,
                "steps_per_launch": args.steps_per_launch, "max_seq_len": options.max_seq_len,
                "num_ops": len(plan.ops), "num_tasks": plan.num_tasks,
                "num_counters": plan.num_counters, "arena_bytes": plan.arena_bytes,
@@ -339,7 +347,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if "floor_us_per_step" in meta:
         rows.append(("weight-read floor", f"{meta['floor_us_per_step']} us"))
         rows.append(("weight bytes per token", f"{meta.get('weight_bytes_per_step', 0):,}"))
-    console.print(_table("prediction (batch step)", ("", "value"), rows))
+    title = "prediction (batch step)"
+    if tp is not None:  # the cost model prices the all-reduce's bytes, not NVLink's latency
+        title += f", one rank of {args.tp}; cross-GPU latency not modelled"
+    console.print(_table(title, ("", "value"), rows))
     return 0
 
 
