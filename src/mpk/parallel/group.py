@@ -9,7 +9,7 @@ tile across the group.
 
 Why the collectives match up: every rank runs the same Plan structure in the interpreter's
 deterministic "schedule" order, so the k-th all-reduce tile a rank reaches is the k-th on every
-rank. That is checked, not assumed: each exchange also gathers (task, step) and a mismatch
+rank. That is checked, not assumed: each exchange also carries (task, count) and a mismatch
 raises instead of summing unrelated tiles.
 """
 
@@ -51,17 +51,17 @@ class GroupAllReduce:
         if task not in self._tasks:
             return {}
         self._count += 1
-        tag = torch.tensor([task, self._count], dtype=torch.int64)
-        tags = [torch.empty_like(tag) for _ in range(self.size)]
-        dist.all_gather(tags, tag, group=self.group)
-        if any(not torch.equal(t, tag) for t in tags):
-            seen = [tuple(int(x) for x in t) for t in tags]
+        own = views["partial"]
+        # One collective per tile: the tile (exact in float64) followed by (task, count).
+        mine = torch.cat([own.double().reshape(-1),
+                          torch.tensor([task, self._count], dtype=torch.float64)])
+        gathered = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(gathered, mine, group=self.group)
+        tags = [tuple(int(x) for x in g[-2:]) for g in gathered]
+        if any(tag != (task, self._count) for tag in tags):
             raise MpkError(f"rank {self.rank}: the ranks reached different all-reduce tiles "
-                           f"(task, count) {seen}; every rank must run the same Plan")
-        own = views["partial"].contiguous()
-        peers = [torch.empty_like(own) for _ in range(self.size)]
-        dist.all_gather(peers, own, group=self.group)
-        return {"peers": peers}
+                           f"(task, count) {tags}; every rank must run the same Plan")
+        return {"peers": [g[:-2].reshape(own.shape).to(own.dtype) for g in gathered]}
 
 
 def rank_executor(plan: Plan, poison: bool = True) -> CpuExecutor:
