@@ -90,7 +90,7 @@ def teacher_forced_gaps(ref: ReferenceModel, prompt: list[int],
     logits' std) when the reference reads the same context: the prompt and the tokens before it.
     0 means the reference would have chosen it too."""
     seq = torch.tensor([prompt + tokens[:-1]])
-    logits = ref.forward(seq, 0)[0, len(prompt) - 1:].double()
+    logits = ref.forward(seq, 0)[0, len(prompt) - 1:].double().cpu()
     chosen = logits.gather(1, torch.tensor(tokens)[:, None])
     best = logits.max(dim=1, keepdim=True).values
     return ((best - chosen) / logits.std(dim=1, keepdim=True)).squeeze(1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpk.check import greedy_mismatches
+from mpk.check import REFERENCE_TOL, greedy_mismatches
 from mpk.engine.job import GenerateJob, ModelSource, run_job
 from mpk.errors import KernelHangError
 from mpk.models.builder import DecodeShape
@@ -28,23 +28,32 @@ def _job(preset: str, new: int, backend: str = "cuda") -> GenerateJob:
                        max_seq_len=64, steps_per_launch=8, progress=False)
 
 
+def _reference(preset: str) -> ReferenceModel:
+    """The reference on the job's weights: ModelSource draws them on the GPU (a seed gives
+    other values on the CPU)."""
+    cfg = get_preset(preset)
+    return ReferenceModel(cfg, random_weights(cfg, 11, "cuda"), max_seq=64)
+
+
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
 def test_tiny_model_at_tp2_matches_the_reference() -> None:
-    cfg = get_preset("tiny-qwen3")
     got = run_job(_job("tiny-qwen3", 16), tp_size=2)
-    ref = ReferenceModel(cfg, random_weights(cfg, 11), max_seq=64)
-    assert not greedy_mismatches(ref, PROMPTS, got.token_ids)
+    assert not greedy_mismatches(_reference("tiny-qwen3"), PROMPTS, got.token_ids)
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("preset", ["qwen3-8b", "llama-3.1-8b"])
-def test_8b_tokens_equal_the_single_gpu_run(preset: str, size: int) -> None:
-    """fp32 partials summed in rank order: the sum differs from one GPU's only by fp32
-    reassociation, so the greedy tokens of random 8B weights agree (docs/tensor-parallel.md)."""
+def test_8b_tokens_agree_with_the_single_gpu_run(preset: str, size: int) -> None:
+    """fp32 partials summed in rank order differ from one GPU's sum only by fp32
+    reassociation: the tokens equal the single-GPU run's, except where a near-tie flips
+    (then every token must still be the reference's choice up to the deep-model near-tie)."""
     single = run_job(_job(preset, 24), tp_size=1)
     split = run_job(_job(preset, 24), tp_size=size)
-    assert split.token_ids == single.token_ids
+    if split.token_ids != single.token_ids:
+        near_tie = 3 * 2**0.5 * REFERENCE_TOL  # as test_model_gpu's teacher-forced test
+        bad = greedy_mismatches(_reference(preset), PROMPTS, split.token_ids, near_tie)
+        assert not bad, "; ".join(bad)
 
 
 def _one_rank_never_launches(tp: TensorParallel) -> str:
@@ -70,6 +79,9 @@ def _one_rank_never_launches(tp: TensorParallel) -> str:
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
 def test_a_peer_that_never_launches_trips_the_watchdog() -> None:
     message = run_ranks(2, _one_rank_never_launches, backend="cuda")
-    assert "waited for tensor-parallel rank 1" in message
+    # Either the all-reduce's own peer wait fired first (it names the rank), or a local wait
+    # behind it did (the diagnosis then names the all-reduce's peer wait as the root cause).
+    assert ("waited for tensor-parallel rank 1" in message
+            or "wait for the other tensor-parallel GPUs" in message), message
     assert torch.cuda.is_available()  # and this process's GPU is still usable
     torch.ones(4, device="cuda").sum().item()

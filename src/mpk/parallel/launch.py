@@ -31,7 +31,9 @@ from mpk.parallel.tp import TensorParallel
 T = TypeVar("T")
 POLL_S = 1.0
 FAILURE_GRACE_S = 3.0
-GROUP_TIMEOUT_S = 300  # how long a collective may wait for a peer before torch gives up
+# How long a collective may wait for a peer before torch gives up: ranks wait at their first
+# launch's barrier while rank 0 of `mpk bench --tp` compiles the torch.compile baseline.
+GROUP_TIMEOUT_S = 900
 
 
 class RankFailedError(MpkError):

@@ -58,7 +58,9 @@ ERROR_CODES: dict[str, int] = {"TIMEOUT": 1, "BAD_KIND": 2, "PEER_TIMEOUT": 3}
 # after a failure. STATUS stays 0 for a CTA that finished its list (or never stopped).
 SM_STATE_FIELDS: dict[str, int] = {"STATUS": 0, "INDEX": 1, "STEP": 2, "WAIT": 3}
 SM_STATE_WORDS = 4
-SM_STATUS: dict[str, int] = {"WAITING": 1, "BAD_KIND": 2}
+# PEER: stopped after a task that waits on its own (the tensor-parallel all-reduce's peer wait)
+# saw the launch stop.
+SM_STATUS: dict[str, int] = {"WAITING": 1, "BAD_KIND": 2, "PEER": 3}
 
 # The per-record timer stamps of a profiling build (emitted as PROF_<NAME>, PROF_STAMPS): the
 # runtime writes profile[step][sm][index][stamp] with these stamp indices.

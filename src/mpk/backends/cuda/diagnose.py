@@ -88,13 +88,16 @@ def explain(plan: Plan, sm_state: np.ndarray, counters: np.ndarray, step_begin: 
         where = f"task {s.task} {plan.task_name(s.task)} on SM {s.sm}"
         if s.status == codegen.SM_STATUS["BAD_KIND"]:
             return f"{where} has an unknown kind id"
+        if s.status == codegen.SM_STATUS["PEER"]:
+            return (f"{where} (position {s.index}) at global step {step_begin + s.step} stopped "
+                    f"in its wait for the other tensor-parallel GPUs' partials")
         return (f"{where} (position {s.index}) at global step {step_begin + s.step} waits for "
                 f"counter {s.counter}: value {int(counters[s.counter])}, needs {s.target}")
 
     lines = []
     roots = [s for s in stopped.values() if not pending(plan, stopped, s)]
     for s in roots:
-        why = ("" if s.status == codegen.SM_STATUS["BAD_KIND"] else
+        why = ("" if s.status in (codegen.SM_STATUS["BAD_KIND"], codegen.SM_STATUS["PEER"]) else
                f"; every task that signals counter {s.counter} for that step "
                f"({_names(plan, s.counter)}) has finished, so the wait's count or the "
                f"counter's signals are wrong")

@@ -59,14 +59,11 @@ def allocate(plan: Plan, device: torch.device, poison: bool) -> PeerArena:
                                f"in a torch.distributed group of {ranks} processes, one per GPU "
                                f"(mpk.parallel.launch.run_ranks), not with {have} group")
     env.disable_multicast()  # before the rendezvous, which would otherwise map multicast
-    group = dist.group.WORLD
-    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-    if enable is not None:  # needed by older torch releases, a no-op where it is not
-        enable(group.group_name)
+    group_name = dist.group.WORLD.group_name  # a name works with every torch release
     xflags_offset = -(-max(plan.arena_bytes, 1) // FLAG_ALIGN) * FLAG_ALIGN
     flag_bytes = 8 * plan.num_tasks * ranks
     buffer = symm_mem.empty(xflags_offset + flag_bytes, dtype=torch.uint8, device=device)
-    handle = symm_mem.rendezvous(buffer, group)
+    handle = symm_mem.rendezvous(buffer, group_name)
     mine = handle.buffer_ptrs[handle.rank]
     offset = buffer.data_ptr() - mine  # the tensor may start inside the mapped allocation
     bases = torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64,

@@ -32,6 +32,9 @@ __device__ __forceinline__ bool exchange_flags(const mpk::TaskArgs& a, int ranks
   const long long g = p.step_begin + a.step;
   const unsigned long long target = (unsigned long long)(g + 1);
   const long long slot0 = (long long)a.rec[REC_TASK] * ranks;
+  // A stopped launch publishes nothing more: a peer must time out rather than sum partials
+  // this rank may never have written.
+  if (mpk::ptx::ld_relaxed_s32(p.abort_flag)) return false;
   __threadfence_system();  // the acquired producer writes, visible system-wide before the flag
   for (int q = 0; q < ranks; ++q) {
     auto* flags = reinterpret_cast<unsigned long long*>(p.peer_arenas[q] + p.xflags_offset);
@@ -84,8 +87,8 @@ __device__ __forceinline__ void sum_tile(const mpk::TaskArgs& a, int B, int H, i
   for (int idx = threadIdx.x; idx < B * TN; idx += NUM_THREADS) {
     const int b = idx / TN, j = idx - b * TN;
     const long long e = (long long)b * H + j;
-    float acc = 0.0f;
-    for (int q = 0; q < G; ++q) acc += peer_partial(a, partial + e, q, G);  // rank order
+    float acc = peer_partial(a, partial + e, 0, G);  // rank order, as task.py (keeps -0.0)
+    for (int q = 1; q < G; ++q) acc += peer_partial(a, partial + e, q, G);
     if constexpr (sizeof(O) == 4) {
       if (residual) acc += dev::ld_act_f32(residual + e);
       out[e] = acc;
@@ -104,7 +107,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
     int* stop = reinterpret_cast<int*>(a.smem);
     if (threadIdx.x == 0) *stop = exchange_flags(a, G) ? 0 : 1;
     mpk::task_sync();
-    if (*stop) return;  // the failure is reported; the host raises KernelHangError
+    if (*stop) return;  // reported; the runtime stops this CTA, the host raises KernelHangError
   }
   const bool partial_f32 = a.i(P_PARTIAL_F32) != 0, out_f32 = a.i(P_OUT_F32) != 0;
   if (partial_f32) {

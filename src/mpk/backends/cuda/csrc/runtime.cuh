@@ -257,6 +257,16 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) mpk_megakernel(MPK_
       return;
     }
     __syncthreads();
+#ifdef MPK_TASK_PARAMS
+    // A task that waits on its own (the tensor-parallel all-reduce waits for its peers) may
+    // have stopped the launch: its consumers must not be signalled for data it never wrote.
+    if (tid == 0 && ptx::ld_relaxed_s32(p.abort_flag)) {
+      record_stop(p, SMS_STATUS_PEER, sm, i, s, -1);
+      s_stop = 1;
+    }
+    __syncthreads();
+    if (s_stop) return;
+#endif
     if (tid == 0) {
       // The barrier orders every thread's stores before thread 0; the fence plus the release
       // make them visible GPU-wide before any consumer's acquire can see the new count.
