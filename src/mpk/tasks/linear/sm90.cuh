@@ -80,6 +80,25 @@ __device__ __forceinline__ void store_out(const Shape& s, int b, int r, float ac
 }
 
 // ---- rmsnorm prologue: inverse rms of rows [b0, b0+nb) read straight from global ---------------
+// The tail both rmsnorm paths share: warp `warp` of the CTA adds its lanes' sums of squares of
+// row b into red[b][warp]; after every row, finish_rms_inv turns red into inv[b].
+__device__ __forceinline__ void store_warp_ss(float ss, int b, float* red, int lane, int warp) {
+  ss = dev::warp_sum(ss);
+  if (lane == 0) red[b * kWarps + warp] = ss;
+}
+
+__device__ __forceinline__ void finish_rms_inv(const Shape& s, int nb, const float* red,
+                                               float* inv) {
+  const int tid = threadIdx.x;
+  __syncthreads();
+  if (tid < nb) {
+    float t = 0.f;
+    for (int w = 0; w < kWarps; ++w) t += red[tid * kWarps + w];
+    inv[tid] = dev::rms_inv(t, s.K, s.eps);
+  }
+  __syncthreads();
+}
+
 __device__ __forceinline__ void rms_inv_global(const Shape& s, int b0, int nb, float* red,
                                             float* inv) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -100,16 +119,9 @@ __device__ __forceinline__ void rms_inv_global(const Shape& s, int b0, int nb, f
         ss = fmaf(f, f, ss);
       }
     }
-    ss = dev::warp_sum(ss);
-    if (lane == 0) red[b * kWarps + warp] = ss;
+    store_warp_ss(ss, b, red, lane, warp);
   }
-  __syncthreads();
-  if (tid < nb) {
-    float t = 0.f;
-    for (int w = 0; w < kWarps; ++w) t += red[tid * kWarps + w];
-    inv[tid] = dev::rms_inv(t, s.K, s.eps);
-  }
-  __syncthreads();
+  finish_rms_inv(s, nb, red, inv);
 }
 
 // ---- slow path: any K, any alignment (scalar loads, CUDA cores) -------------------------------
@@ -275,16 +287,9 @@ __device__ __forceinline__ void stage_x_finish(const Shape& s, bf16* xs, int XS,
 #pragma unroll
           for (int e = 0; e < 8; ++e) ss = fmaf(f[e], f[e], ss);
         }
-        ss = dev::warp_sum(ss);
-        if (lane == 0) red[b * kWarps + warp] = ss;
+        store_warp_ss(ss, b, red, lane, warp);
       }
-      __syncthreads();
-      if (tid < nb) {
-        float t = 0.f;
-        for (int w = 0; w < kWarps; ++w) t += red[tid * kWarps + w];
-        inv[tid] = dev::rms_inv(t, s.K, s.eps);
-      }
-      __syncthreads();
+      finish_rms_inv(s, nb, red, inv);
     }
 #pragma unroll 1
     for (unsigned idx = tid; idx < total; idx += NUM_THREADS) {
