@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from mpk.errors import UnsupportedError
+
 
 def cache_dir() -> Path:
     """MPK_CACHE_DIR: where built megakernels are kept (default ~/.cache/mpk)."""
@@ -38,8 +40,6 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 def disable_multicast() -> None:
     """Set MULTICAST_OFF in this process (children inherit it). A variable already set to
     another value is refused, not overridden silently: MPK never runs with multicast on."""
-    from mpk.errors import UnsupportedError
-
     for name, value in MULTICAST_OFF.items():
         current = os.environ.get(name)
         if current is not None and current != value:

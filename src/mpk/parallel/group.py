@@ -21,9 +21,8 @@ import torch.distributed as dist
 from mpk.backends.cpu.interpreter import CpuExecutor
 from mpk.compiler.plan import Plan
 from mpk.errors import MpkError
+from mpk.parallel.cpu import REDUCE_KIND
 from mpk.tasks.base import grid_points
-
-REDUCE_KIND = "allreduce"
 
 
 class GroupAllReduce:
