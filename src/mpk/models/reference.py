@@ -12,8 +12,9 @@ softmax stay fp32, RoPE uses the f32 table of rope.py (HF rounds cos/sin to bf16
 stay fp32 unless bf16_logits=True (HF rounds them), as the megakernel does: bf16 logits would
 create argmax ties the f32 logits of the megakernel do not have. With activation_dtype=float32
 nothing is rounded. hf_exact=True (bf16 only) adds the remaining roundings of transformers' eager
-bf16 path (bf16 cos/sin, each RoPE product, scores, scaled scores, probabilities, bf16 logits):
-the tests use it to show every other rounding point matches Hugging Face bit for bit.
+bf16 path (bf16 cos/sin, each RoPE product, scores, scaled scores, probabilities, bf16 logits)
+and runs every matmul through torch's bf16 kernels as HF does, so that not even summation order
+differs: the tests use it to show every other rounding point matches Hugging Face bit for bit.
 """
 
 from __future__ import annotations
@@ -67,7 +68,22 @@ class ReferenceModel:
         return x.to(torch.bfloat16).float() if self._round_bf16 else x
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        if self.hf_exact:
+            # HF's own bf16 kernel: see _matmul.
+            return torch.nn.functional.linear(x.to(torch.bfloat16), self.w[name]).float()
         return self._round(x @ self.w[name].float().t())
+
+    def _matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a @ b in fp32; with hf_exact, torch's bf16 kernel as HF's eager path calls it.
+
+        Both accumulate in fp32 and round once, but in different orders, and which order a bf16
+        GEMM uses depends on the CPU's kernel (AVX2 vs AVX-512/AMX), not on transformers. A dot
+        product within ~1e-6 of a bf16 rounding midpoint then rounds the other way (seen: one
+        v_proj element of tiny-qwen3), and deep bf16 layers spread that 1-ulp flip to ~4e-3 of
+        the logits. Calling the same kernel as HF removes summation order from the comparison."""
+        if self.hf_exact:
+            return (a.to(torch.bfloat16) @ b.to(torch.bfloat16)).float()
+        return a @ b
 
     def _rmsnorm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         # HF: normalise in fp32, cast to the activation dtype, multiply by the weight.
@@ -103,10 +119,10 @@ class ReferenceModel:
         keys = self._k[layer][:, :, :end].repeat_interleave(cfg.group, dim=1)   # [B, H, L, D]
         values = self._v[layer][:, :, :end].repeat_interleave(cfg.group, dim=1)
         exact = self._round if self.hf_exact else (lambda x: x)
-        scores = exact(exact(q @ keys.transpose(2, 3)) * (d ** -0.5))     # [B, H, T, L]
+        scores = exact(self._matmul(q, keys.transpose(2, 3)) * (d ** -0.5))  # [B, H, T, L]
         causal = torch.arange(end, device=h.device)[None, :] > pos[:, None]     # [T, L]
         scores = scores.masked_fill(causal, float("-inf"))
-        out = self._round(exact(torch.softmax(scores, dim=-1)) @ values)    # [B, H, T, D]
+        out = self._round(self._matmul(exact(torch.softmax(scores, dim=-1)), values))  # [B,H,T,D]
         out = out.transpose(1, 2).reshape(b, t, cfg.num_heads * d)
         return self._linear(out, p + "o_proj.weight")
 
@@ -150,6 +166,8 @@ class ReferenceModel:
         h = self._rmsnorm(h, "model.norm.weight")
         head = "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
         self._length = start_pos + t
+        if self.hf_exact:
+            return self._linear(h, head)
         logits = h @ self.w[head].float().t()
         return logits.to(torch.bfloat16).float() if self.bf16_logits else logits
 
