@@ -141,11 +141,82 @@ def test_cuda_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
                            "(torch.cuda.is_available() is False); use backend 'cpu'")
 
 
+def _one_error_line(err: str) -> str:
+    """The single `mpk: error: ...` line that makes up all of stderr."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mpk: error: "), err
+    return lines[0]
+
+
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "generate", "--model", "tiny-qwen3", "--prompt-ids", "a,b")
-    assert code == 2 and "comma-separated integers" in err
+    assert code == 2 and "comma-separated integers" in _one_error_line(err)
     code, _, err = run(capsys, "generate", "--model", "tiny-qwen3", "--checkpoint", "x")
-    assert code == 2 and "not allowed with" in err
+    assert code == 2 and "not allowed with" in _one_error_line(err)
+    code, _, err = run(capsys, "plan", "--model", "tiny-qwen3", "--no-such-option")
+    assert code == 2 and "--no-such-option" in _one_error_line(err)
+
+
+@pytest.mark.parametrize(("ids", "entry"), [("1,,2", 2), ("1,2,", 3), (",1", 1), ("", 1)])
+def test_prompt_ids_with_an_empty_entry(capsys: pytest.CaptureFixture[str], ids: str,
+                                        entry: int) -> None:
+    code, _, err = run(capsys, "generate", "--model", "tiny-qwen3", "--prompt-ids", ids)
+    assert code == 2
+    assert f"entry {entry} of {ids!r} is empty" in _one_error_line(err)
+
+
+def test_prompt_ids_allow_spaces(capsys: pytest.CaptureFixture[str],
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpk.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--model", "tiny-qwen3",
+                                      "--prompt-ids", " 1, 2 ,3"])
+    assert args.prompt_ids == [[1, 2, 3]]
+
+
+@pytest.mark.parametrize(("layers", "message"), [
+    ("5-2", "layer range '5-2' is reversed (first layer 5 > last layer 2); write 2-5"),
+    ("x", "expected a layer or a range like 0-1"),
+])
+def test_check_layer_range_errors(capsys: pytest.CaptureFixture[str], layers: str,
+                                  message: str) -> None:
+    code, _, err = run(capsys, "check", "--model", "tiny-qwen3", "--layers", layers)
+    assert code == 2 and message in _one_error_line(err)
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_verbose_before_or_after_the_command(capsys: pytest.CaptureFixture[str],
+                                             where: str) -> None:
+    """-v shows the traceback: main re-raises the error instead of printing one line."""
+    from mpk.errors import MpkError
+
+    argv = ["plan", "--model", "no-such-model"]
+    argv = ["-v", *argv] if where == "before" else [*argv, "-v"]
+    with pytest.raises(MpkError, match="no model preset"):
+        main(argv)
+    code, _, err = run(capsys, "plan", "--model", "no-such-model")  # without -v: one line
+    assert code == 2 and "no model preset" in _one_error_line(err)
+
+
+def test_verbose_counts_add_up() -> None:
+    """`mpk -v generate -v` is -vv (debug); the command's -v must not reset the count."""
+    import logging
+
+    from mpk.cli import build_parser
+    from mpk.errors import MpkError
+
+    args = build_parser().parse_args(["-v", "plan", "--model", "tiny-qwen3", "-v"])
+    assert args.verbose + args.verbose_after == 2
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    root.handlers = []  # basicConfig only configures a root logger without handlers
+    try:
+        with pytest.raises(MpkError):
+            main(["-v", "plan", "--model", "no-such-model", "-v"])
+        assert root.level == logging.DEBUG
+    finally:
+        root.handlers = handlers
+        root.setLevel(level)
 
 
 def test_plan_tables(capsys: pytest.CaptureFixture[str]) -> None:
@@ -181,8 +252,9 @@ def test_check_with_a_stub(capsys: pytest.CaptureFixture[str],
                            monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 
-    def run_check(cfg, layers, backend, seed):
+    def run_check(cfg, layers, backend, seed, weights=None):
         calls.append((cfg.name, layers, backend, seed))
+        assert weights is None  # a preset: run_check draws the slice's random weights
         return [("layers.0.qkv", 1e-3, 1e-2, True), ("hidden", 5e-2, 1e-2, False)]
 
     monkeypatch.setitem(sys.modules, "mpk.check", types.SimpleNamespace(run_check=run_check))
@@ -194,6 +266,34 @@ def test_check_with_a_stub(capsys: pytest.CaptureFixture[str],
     code, _, err = run(capsys, "check", "--model", "tiny-qwen3", "--layers", "0-5",
                        "--backend", "cpu")
     assert code == 2 and "out of range" in err
+
+
+def test_check_a_checkpoint_slice(capsys: pytest.CaptureFixture[str], checkpoint: Path,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """--checkpoint: run_check gets the checkpoint's own weights, layer 1 renumbered as 0."""
+    import mpk.check
+
+    seen = {}
+    real = mpk.check.run_check
+
+    def spy(cfg, layers, backend, seed, weights=None):
+        seen["weights"] = weights
+        return real(cfg, layers, backend, seed=seed, weights=weights)
+
+    monkeypatch.setattr(mpk.check, "run_check", spy)
+    code, out, err = run(capsys, "check", "--checkpoint", str(checkpoint), "--layers", "1",
+                         "--backend", "cpu", "--json")
+    assert code == 0, out + err
+    result = json.loads(out)
+    assert result["passed"] and result["layers"] == [1, 1]
+    saved = random_weights(get_preset("tiny-qwen3"), seed=5)  # what the fixture saved
+    sliced = mpk.check.slice_weights(seen["weights"], range(1, 2))
+    assert torch.equal(sliced["model.layers.0.mlp.up_proj.weight"],
+                       saved["model.layers.1.mlp.up_proj.weight"])
+    assert not any(name.startswith("model.layers.1.") for name in sliced)
+    code, _, err = run(capsys, "check", "--checkpoint", str(checkpoint), "--layers", "1-2",
+                       "--backend", "cpu")
+    assert code == 2 and "out of range" in _one_error_line(err)
 
 
 def test_check_tiny_model_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:

@@ -40,13 +40,30 @@ def slice_config(cfg: ModelConfig, layers: range) -> ModelConfig:
     return dataclasses.replace(cfg, num_layers=len(layers))
 
 
+def slice_weights(weights: dict[str, torch.Tensor], layers: range) -> dict[str, torch.Tensor]:
+    """The HF-named weights of `layers` renumbered from 0, plus every non-layer weight."""
+    out = {}
+    for name, tensor in weights.items():
+        if name.startswith("model.layers."):
+            index, rest = name[len("model.layers."):].split(".", 1)
+            if int(index) not in layers:
+                continue
+            name = f"model.layers.{int(index) - layers.start}.{rest}"
+        out[name] = tensor
+    return out
+
+
 def run_check(cfg: ModelConfig, layers: range, backend: str, seed: int = 0,
-              num_sms: int | None = None, steps: int = 2) -> list[CheckRow]:
+              num_sms: int | None = None, steps: int = 2,
+              weights: dict[str, torch.Tensor] | None = None) -> list[CheckRow]:
+    """`weights`: the whole model's (a checkpoint's), cut to `layers`; by default random
+    weights of the slice alone, drawn from `seed`."""
+    weights = (slice_weights(weights, layers) if weights is not None
+               else random_weights(slice_config(cfg, layers), seed=seed))
     cfg = slice_config(cfg, layers)
     num_sms = num_sms or (132 if backend == "cuda" else 8)
     shape = DecodeShape(batch=1, steps_per_launch=steps, page_size=16, max_pages=4, num_pages=8)
     plan = compile_graph(build_graph(cfg, shape, num_sms=num_sms), num_sms)
-    weights = random_weights(cfg, seed=seed)
     prompt = torch.randint(0, cfg.vocab_size, (steps, 1), generator=torch.Generator().manual_seed(seed),
                            dtype=torch.int32)
     opts = {"poison": True} if backend == "cuda" else {"order": "random", "seed": seed}

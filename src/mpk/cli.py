@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, NoReturn
 
 from mpk.errors import MpkError
 
@@ -26,14 +26,18 @@ log = logging.getLogger("mpk.cli")
 
 # ---- argument parsing ------------------------------------------------------------------------
 def _token_ids(text: str) -> list[int]:
+    entries = [x.strip() for x in text.split(",")]
+    # An empty entry ("1,,2", "1,2,") is most likely a lost id, so it is an error, not skipped.
+    for i, entry in enumerate(entries):
+        if entry == "":
+            raise argparse.ArgumentTypeError(
+                f"entry {i + 1} of {text!r} is empty; expected comma-separated integers "
+                f"like 1,2,3")
     try:
-        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+        return [int(x) for x in entries]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise argparse.ArgumentTypeError("expected at least one token id")
-    return ids
 
 
 def _layer_range(text: str) -> range:
@@ -43,8 +47,12 @@ def _layer_range(text: str) -> range:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected a layer or a range like 0-1, got {text!r}") from None
-    if first < 0 or last < first:
-        raise argparse.ArgumentTypeError(f"bad layer range {text!r}")
+    if first < 0:
+        raise argparse.ArgumentTypeError(f"layer {first} in {text!r} is negative")
+    if last < first:
+        raise argparse.ArgumentTypeError(
+            f"layer range {text!r} is reversed (first layer {first} > last layer {last}); "
+            f"write {last}-{first}")
     return range(first, last + 1)
 
 
@@ -73,17 +81,29 @@ def _add_backend_arg(p: argparse.ArgumentParser) -> None:
                         "(default: cuda when a GPU is visible, else cpu)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's error format: one line `mpk: error: ...` and exit 2 (argparse's
+    own prints the usage first; the hint names the --help that shows it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"mpk: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _add_verbose_arg(p: argparse.ArgumentParser, dest: str) -> None:
+    p.add_argument("-v", "--verbose", action="count", default=0, dest=dest,
+                   help="log progress (-vv: debug); show tracebacks on errors")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mpk.models.config import PRESETS
 
     presets = ", ".join(PRESETS)
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mpk", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="MPK compiles an LLM's decode step into one persistent CUDA megakernel; "
                     "a CPU interpreter runs the same compiled plan.",
         epilog=f"model presets: {presets}\n\nrun `mpk COMMAND --help` for a command's options.")
-    parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="log progress (-vv: debug); show tracebacks on errors")
+    _add_verbose_arg(parser, "verbose")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def command(name: str, summary: str, examples: str,
@@ -92,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                            epilog="examples:\n" + examples,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.set_defaults(run=run)
+        # -v also after the command; its own dest, since a subparser's defaults would overwrite
+        # the count of a -v given before the command (main adds the two).
+        _add_verbose_arg(p, "verbose_after")
         return p
 
     g = command("generate", "Greedy-generate tokens with a model.", (
@@ -143,8 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = command("check", "Compare a backend's buffers with the reference, layer by layer.", (
         "  mpk check --model tiny-qwen3 --layers 0-1 --backend cpu\n"
-        "  mpk check --model qwen3-0.6b --layers 0-3 --backend cuda --seed 1"), _cmd_check)
-    _add_model_args(c, checkpoint=False)
+        "  mpk check --model qwen3-0.6b --layers 0-3 --backend cuda --seed 1\n"
+        "  mpk check --checkpoint ~/models/Qwen3-0.6B --layers 10-11 --backend cuda"), _cmd_check)
+    _add_model_args(c)
     c.add_argument("--layers", type=_layer_range, default=range(0, 1), metavar="A-B",
                    help="layers to build and compare, e.g. 0-1 (default: 0)")
     _add_backend_arg(c)
@@ -185,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.verbose += getattr(args, "verbose_after", 0)
     logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.command is None:
@@ -357,23 +382,28 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 # ---- mpk check -------------------------------------------------------------------------------
 def _cmd_check(args: argparse.Namespace) -> int:
     from mpk.check import run_check
-    from mpk.models import get_preset
+    from mpk.engine.job import ModelSource
+    from mpk.models import get_preset, load_config
 
     backend = _backend(args)
-    cfg = get_preset(args.model)
+    cfg = load_config(args.checkpoint) if args.checkpoint else get_preset(args.model)
+    model = (cfg.name or args.checkpoint) if args.checkpoint else args.model
     if args.layers.stop > cfg.num_layers:
         raise MpkError(f"--layers {args.layers.start}-{args.layers.stop - 1} is out of range: "
-                       f"{cfg.name} has layers 0-{cfg.num_layers - 1}")
+                       f"{model} has layers 0-{cfg.num_layers - 1}")
+    # A preset's random weights are drawn for the slice alone (an 8B model's would not fit);
+    # a checkpoint's layers are cut out of the whole model.
+    weights = ModelSource(cfg, args.checkpoint).load("cpu") if args.checkpoint else None
     rows = [_check_row(r) for r in run_check(cfg, layers=args.layers, backend=backend,
-                                             seed=args.seed)]
+                                             seed=args.seed, weights=weights)]
     failed = [r for r in rows if not r["passed"]]
     if args.json:
-        print(json.dumps({"model": cfg.name, "backend": backend, "seed": args.seed,
+        print(json.dumps({"model": model, "backend": backend, "seed": args.seed,
                           "layers": [args.layers.start, args.layers.stop - 1], "rows": rows,
                           "passed": not failed}))
     else:
         _console().print(_table(
-            f"{cfg.name} layers {args.layers.start}-{args.layers.stop - 1}: {backend} vs reference",
+            f"{model} layers {args.layers.start}-{args.layers.stop - 1}: {backend} vs reference",
             ("tensor", "rel err", "tolerance", "ok"),
             [(r["tensor"], f"{r['rel_err']:.2e}", f"{r['tolerance']:.0e}",
               "yes" if r["passed"] else "NO") for r in rows]))
