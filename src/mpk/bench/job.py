@@ -43,7 +43,8 @@ def _bench_rank(tp: TensorParallel, job: BenchJob) -> dict[str, Any] | None:
     prompt = bench_prompt(cfg, job.batch, PROMPT_LEN, job.source.seed)
     decoder = MpkDecoder(cfg, weights, prompt, job.new_tokens,
                          tp=tp if tp.size > 1 else None)
-    mpk_tokens = decoder.tokens(CHECK_TOKENS)
+    # run_bench lists the baseline's first min(CHECK_TOKENS, new_tokens) tokens: as many here.
+    mpk_tokens = decoder.tokens(min(CHECK_TOKENS, job.new_tokens))
     if tp.rank != 0:
         # Exactly rank 0's MPK launches (run_bench times them the same way), so that every
         # launch finds its peers.
@@ -51,8 +52,18 @@ def _bench_rank(tp: TensorParallel, job: BenchJob) -> dict[str, Any] | None:
         return None
     result = run_bench(cfg, job.batch, job.new_tokens, job.source.seed, decoder.step,
                        weights=weights, prompt_len=PROMPT_LEN, check_tokens=CHECK_TOKENS)
-    same = sum(a == b for a, b in zip(mpk_tokens, result["baseline_tokens"]))
     result.update(tp=tp.size, mpk_plan_s=round(decoder.plan_s, 2),
                   mpk_build_s=round(decoder.build_s, 2), mpk_tokens=mpk_tokens,
-                  tokens_agree=f"{same}/{len(mpk_tokens)}")
+                  tokens_agree=tokens_agree(mpk_tokens, result["baseline_tokens"]))
     return result
+
+
+def tokens_agree(mpk_tokens: list[int], baseline_tokens: list[int]) -> str:
+    """"same/n": how many of the n positions hold the same token. The lists must cover the
+    same positions (the first generated token onwards), hence the same length: zip would
+    silently compare a shorter list against a shifted one."""
+    if len(mpk_tokens) != len(baseline_tokens):
+        raise ValueError(f"token lists of different lengths: MPK {len(mpk_tokens)}, "
+                         f"baseline {len(baseline_tokens)}")
+    same = sum(a == b for a, b in zip(mpk_tokens, baseline_tokens, strict=True))
+    return f"{same}/{len(mpk_tokens)}"

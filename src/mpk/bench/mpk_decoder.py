@@ -19,14 +19,16 @@ class MpkDecoder:
     """`step(n)` runs n greedy decode steps in one launch starting at position len(prompt).
 
     With `tp` this is one rank of a tensor-parallel run (one process per GPU, every rank
-    making the same calls): it compiles the rank's Plan and binds its shard of `weights`."""
+    making the same calls): it compiles the rank's Plan and binds its shard of `weights`.
+    backend="cpu" runs the same launches on the interpreter (tests)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prompt: torch.Tensor,
                  new_tokens: int, num_sms: int | None = None, page_size: int = 16,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, backend: str = "cuda") -> None:
         batch, self.prompt_len = prompt.shape
-        num_sms = num_sms or torch.cuda.get_device_properties(
-            torch.cuda.current_device()).multi_processor_count
+        if num_sms is None:
+            num_sms = 8 if backend == "cpu" else torch.cuda.get_device_properties(
+                torch.cuda.current_device()).multi_processor_count
         pages = -(-(self.prompt_len + new_tokens + 1) // page_size)
         self.shape = DecodeShape(batch=batch, steps_per_launch=max(self.prompt_len, new_tokens),
                                  page_size=page_size, max_pages=pages, num_pages=batch * pages)
@@ -34,7 +36,7 @@ class MpkDecoder:
         graph = build_graph(cfg, self.shape, num_sms=num_sms, tp=tp)
         self.plan = compile_graph(graph, num_sms)
         self.plan_s = time.perf_counter() - t0
-        executor = create_executor(self.plan, "cuda")
+        executor = create_executor(self.plan, backend)
         self.executor = executor if tp is None else RankView(executor, tp)
         self.build_s = time.perf_counter() - t0 - self.plan_s
         bind_model(self.executor, self.plan, cfg, self.shape, weights, seed=0)
@@ -42,6 +44,9 @@ class MpkDecoder:
         forced[: self.prompt_len] = prompt.T.int().cpu()
         self.executor.write("prompt", forced)
         self.executor.run(self.prompt_len)
+        # The prompt's last step already produced the first generated token; the baseline's
+        # token list starts with it, so tokens() must too.
+        self._first = int(self.executor.read("tokens_out")[self.prompt_len - 1, 0])
         self.executor.write("prompt", torch.full_like(forced, -1))
         self._start = torch.full((batch,), self.prompt_len, dtype=torch.int32)
 
@@ -50,6 +55,10 @@ class MpkDecoder:
         self.executor.run(n)
 
     def tokens(self, n: int) -> list[int]:
-        """Row 0's first n greedy tokens after the prompt (to compare with the baseline's)."""
-        self.step(n)
-        return self.executor.read("tokens_out")[:n, 0].tolist()
+        """Row 0's first n generated tokens, as DecodeLoop.generate(n) lists them: the one the
+        prompt's last step produced, then n - 1 decode steps. Call it before any step(): a
+        launch embeds the previous launch's last token at its first step."""
+        if n <= 1:
+            return [self._first][:n]
+        self.step(n - 1)
+        return [self._first] + self.executor.read("tokens_out")[:n - 1, 0].tolist()
