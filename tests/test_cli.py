@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpk.check import greedy_mismatches
 from mpk.cli import main
 from mpk.models import get_preset, random_weights
 from mpk.models.reference import ReferenceModel
+from mpk.testing import greedy_mismatches
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

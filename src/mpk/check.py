@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mpk.backends.base import Executor, create_executor
+from mpk.backends.base import create_executor
 from mpk.compiler.lower import compile_graph
-from mpk.compiler.plan import Plan
-from mpk.models.builder import DecodeShape, build_graph, graph_weights
+from mpk.engine.bind import bind_model
+from mpk.models.builder import DecodeShape, build_graph
 from mpk.models.config import ModelConfig
 from mpk.models.reference import ReferenceModel
 from mpk.models.weights import random_weights
@@ -22,9 +22,6 @@ BF16_TOL = 1e-2
 # random weights that difference grows with depth: whole qwen3-0.6b / llama-3.2-1b logits differ
 # by 1.5-2% from the interpreter's (one layer: < 1e-3). Backend vs interpreter stays at BF16_TOL.
 REFERENCE_TOL = 3e-2
-# Two logits closer than this (in units of the logits' std) are a near-tie: bf16 rounding and
-# summation order may legitimately pick either, so greedy tokens are compared up to it.
-NEAR_TIE = 2e-2
 
 
 @dataclass(frozen=True)
@@ -80,49 +77,6 @@ def run_check(cfg: ModelConfig, layers: range, backend: str, seed: int = 0,
     rows.append(_compare("logits vs reference model", runs[1]["logits"][0], logits,
                          REFERENCE_TOL))
     return rows
-
-
-def bind_model(ex: Executor, plan: Plan, cfg: ModelConfig, shape: DecodeShape,
-               weights: dict[str, torch.Tensor], seed: int) -> None:
-    """Bind weights, noise-filled KV caches and a shuffled page table (same for every seed)."""
-    gen = torch.Generator().manual_seed(seed)
-    names = {t.name for t in plan.tensors}
-    for name, tensor in graph_weights(cfg, weights, shape.max_seq_len).items():
-        if name in names:
-            ex.bind(name, tensor)
-    cache = (shape.num_pages, shape.page_size, cfg.num_kv_heads, cfg.head_dim)
-    for layer in range(cfg.num_layers):
-        for kv in ("k", "v"):
-            ex.bind(f"{kv}_cache.{layer}", torch.randn(cache, generator=gen).bfloat16())
-    pages = torch.randperm(shape.num_pages, generator=gen)[: shape.batch * shape.max_pages]
-    ex.bind("page_table", pages.reshape(shape.batch, shape.max_pages).int())
-    ex.bind("positions", torch.zeros(shape.batch, dtype=torch.int32))
-    ex.bind("prompt", torch.full((shape.steps_per_launch, shape.batch), -1, dtype=torch.int32))
-    ex.bind("tokens_out", torch.zeros((shape.steps_per_launch, shape.batch), dtype=torch.int32))
-
-
-def teacher_forced_gaps(ref: ReferenceModel, prompt: list[int],
-                        tokens: list[int]) -> torch.Tensor:
-    """For each generated token, how far its logit falls below the best one (in units of the
-    logits' std) when the reference reads the same context: the prompt and the tokens before it.
-    0 means the reference would have chosen it too."""
-    seq = torch.tensor([prompt + tokens[:-1]])
-    logits = ref.forward(seq, 0)[0, len(prompt) - 1:].double().cpu()
-    chosen = logits.gather(1, torch.tensor(tokens)[:, None])
-    best = logits.max(dim=1, keepdim=True).values
-    return ((best - chosen) / logits.std(dim=1, keepdim=True)).squeeze(1)
-
-
-def greedy_mismatches(ref: ReferenceModel, prompts: list[list[int]],
-                      outputs: list[list[int]], near_tie: float = NEAR_TIE) -> list[str]:
-    """The generated tokens that are not the reference's greedy choice up to a near-tie (in
-    units of the logits' std), described for an assertion message; empty when all agree."""
-    bad = []
-    for row, (prompt, tokens) in enumerate(zip(prompts, outputs, strict=True)):
-        gaps = teacher_forced_gaps(ref, prompt, tokens)
-        bad += [f"prompt {row} step {i}: token {tokens[i]} is {float(g):.3g} std below the best"
-                for i, g in enumerate(gaps) if g > near_tie]
-    return bad
 
 
 def _argmax_row(runs: list[dict[str, torch.Tensor]], row: CheckRow) -> CheckRow:

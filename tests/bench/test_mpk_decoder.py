@@ -10,10 +10,10 @@ from mpk.bench.baseline import DecodeLoop, StaticDecoder
 from mpk.bench.job import tokens_agree
 from mpk.bench.mpk_decoder import MpkDecoder
 from mpk.bench.runner import bench_prompt
-from mpk.check import greedy_mismatches
 from mpk.models.config import get_preset
 from mpk.models.reference import ReferenceModel
 from mpk.models.weights import random_weights
+from mpk.testing import greedy_mismatches
 
 MAX_SEQ = 64
 TOKENS = 8

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpk.check import greedy_mismatches
 from mpk.engine import Engine, InvalidRequestError
 from mpk.errors import MpkError, UnsupportedError
 from mpk.models import get_preset, random_weights
 from mpk.models.reference import ReferenceModel
+from mpk.testing import greedy_mismatches
 
 PROMPTS = [[3, 1, 4, 1, 5], [9], [2, 7, 1]]
 NEW = 12

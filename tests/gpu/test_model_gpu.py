@@ -8,11 +8,13 @@ import random
 import pytest
 
 from mpk.backends.base import create_executor
-from mpk.check import REFERENCE_TOL, bind_model, run_check, teacher_forced_gaps
+from mpk.check import REFERENCE_TOL, run_check
+from mpk.engine.bind import bind_model
 from mpk.models.builder import DecodeShape
 from mpk.models.config import get_preset
 from mpk.models.reference import ReferenceModel
 from mpk.models.weights import random_weights
+from mpk.testing import teacher_forced_gaps
 from tests.interp.model_run import make_plan, run_prompts
 
 pytestmark = pytest.mark.gpu

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpk.check import REFERENCE_TOL, greedy_mismatches
+from mpk.check import REFERENCE_TOL
 from mpk.engine.job import GenerateJob, ModelSource, run_job
 from mpk.errors import KernelHangError
 from mpk.models.builder import DecodeShape
@@ -16,6 +16,7 @@ from mpk.models.reference import ReferenceModel
 from mpk.models.weights import random_weights
 from mpk.parallel import RankView, TensorParallel, rank_plans
 from mpk.parallel.launch import run_ranks
+from mpk.testing import greedy_mismatches
 
 pytestmark = pytest.mark.gpu
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -61,7 +62,7 @@ def _one_rank_never_launches(tp: TensorParallel) -> str:
     import torch.distributed as dist
 
     from mpk.backends.cuda.executor import CudaExecutor
-    from mpk.check import bind_model
+    from mpk.engine.bind import bind_model
 
     cfg = get_preset("tiny-qwen3")
     shape = DecodeShape(batch=1, steps_per_launch=1, page_size=4, max_pages=2, num_pages=2)

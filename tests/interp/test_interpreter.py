@@ -7,11 +7,12 @@ import random
 import pytest
 import torch
 
-from mpk.check import bind_model, greedy_mismatches
+from mpk.engine.bind import bind_model
 from mpk.models.builder import DecodeShape
 from mpk.models.config import get_preset
 from mpk.models.reference import ReferenceModel
 from mpk.models.weights import random_weights
+from mpk.testing import greedy_mismatches
 from tests.interp.model_run import executor, make_plan, run_prompts
 
 SHAPE = DecodeShape(batch=3, steps_per_launch=4, page_size=4, max_pages=8, num_pages=32)

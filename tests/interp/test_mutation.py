@@ -14,9 +14,9 @@ import random
 import numpy as np
 import torch
 
-from mpk.check import bind_model
 from mpk.compiler import record
 from mpk.compiler.plan import Plan
+from mpk.engine.bind import bind_model
 from mpk.models.builder import DecodeShape
 from mpk.models.config import get_preset
 from mpk.models.weights import random_weights

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from mpk.check import bind_model
+from mpk.engine.bind import bind_model
 from mpk.models.builder import DecodeShape
 from mpk.models.config import get_preset
 from mpk.models.weights import load_checkpoint

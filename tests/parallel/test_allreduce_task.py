@@ -12,10 +12,10 @@ from mpk.compiler.lower import compile_graph
 from mpk.dtypes import DType
 from mpk.errors import GraphError, MpkError
 from mpk.graph.graph import Graph
-from mpk.parallel import MultiRankCpuExecutor
 from mpk.tasks.base import Tile
 from mpk.tasks.registry import get_kind
 from mpk.tensors import Role
+from mpk.testing import MultiRankCpuExecutor
 
 B, H, TILES = 2, 64, 4
 

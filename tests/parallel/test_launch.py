@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from mpk import env
-from mpk.check import greedy_mismatches
 from mpk.cli import main
 from mpk.engine.job import GenerateJob, ModelSource, run_job
 from mpk.errors import MpkError, UnsupportedError
@@ -23,6 +22,7 @@ from mpk.models.weights import random_weights
 from mpk.parallel import TensorParallel, rank_plans
 from mpk.parallel.group import GroupAllReduce
 from mpk.parallel.launch import RankFailedError, run_ranks
+from mpk.testing import greedy_mismatches
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
 NEW = 8

@@ -8,17 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpk.check import bind_model
 from mpk.compiler.lower import compile_graph
 from mpk.dtypes import DType
+from mpk.engine.bind import bind_model
 from mpk.engine.decode import decode
 from mpk.errors import MpkError
 from mpk.graph.graph import Graph
 from mpk.models.builder import DecodeShape
 from mpk.models.config import get_preset
 from mpk.models.weights import random_weights
-from mpk.parallel import CrossRankHazardError, MultiRankCpuExecutor, rank_plans
+from mpk.parallel import rank_plans
 from mpk.tensors import Role
+from mpk.testing import CrossRankHazardError, MultiRankCpuExecutor
 from tests.interp.model_run import executor, make_plan, run_prompts
 
 SHAPE = DecodeShape(batch=2, steps_per_launch=8, page_size=4, max_pages=8, num_pages=16)

@@ -113,8 +113,9 @@ def test_rank_view_binds_each_rank_its_shard() -> None:
     """One rank per process (RankView) binds exactly what the one-process G-rank executor
     gives that rank."""
     from mpk.backends.cpu.interpreter import CpuExecutor
-    from mpk.check import bind_model
-    from mpk.parallel import MultiRankCpuExecutor, RankView, rank_plans
+    from mpk.engine.bind import bind_model
+    from mpk.parallel import RankView, rank_plans
+    from mpk.testing import MultiRankCpuExecutor
 
     cfg = get_preset("tiny-llama")
     weights = random_weights(cfg, 3)

@@ -8,8 +8,8 @@ import time
 import torch
 
 from mpk.backends.base import create_executor
-from mpk.check import bind_model
 from mpk.compiler.lower import compile_graph
+from mpk.engine.bind import bind_model
 from mpk.models.builder import DecodeShape, build_graph
 from mpk.models.config import ModelConfig
 from mpk.parallel.tp import RankView, TensorParallel

@@ -1,4 +1,5 @@
-"""Tensor parallelism over the GPUs of one host: sharding, per-rank plans, the CPU simulation.
+"""Tensor parallelism over the GPUs of one host: sharding, per-rank plans, the launcher (the
+simulation of G ranks in one process, for tests, is mpk.testing.MultiRankCpuExecutor).
 
 See docs/tensor-parallel.md. `launch.run_ranks` starts one process per rank and `group` gives a
 rank's interpreter its all-reduce over a torch.distributed group; on CUDA the all-reduce runs in
@@ -6,9 +7,7 @@ the megakernel over peer memory (tasks/allreduce/sm90.cuh, backends/cuda/peers.p
 not run on GPUs yet.
 """
 
-from mpk.parallel.cpu import CrossRankHazardError, FullModelExecutor, MultiRankCpuExecutor
 from mpk.parallel.plans import rank_plans
 from mpk.parallel.tp import RankView, TensorParallel, shard_dim, unshard
 
-__all__ = ["CrossRankHazardError", "FullModelExecutor", "MultiRankCpuExecutor", "RankView",
-           "TensorParallel", "rank_plans", "shard_dim", "unshard"]
+__all__ = ["RankView", "TensorParallel", "rank_plans", "shard_dim", "unshard"]

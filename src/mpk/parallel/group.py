@@ -1,8 +1,8 @@
 """One tensor-parallel rank per PROCESS on the CPU interpreter: the all-reduce over a real
 process group (torch.distributed, gloo).
 
-MultiRankCpuExecutor (parallel/cpu.py) runs G ranks in one process and is the tool for proving
-the cross-rank waits. This module is the other half: the process model that `mpk generate --tp G`
+MultiRankCpuExecutor (mpk.testing) runs G ranks in one process and is the tool for proving the
+cross-rank waits. This module is the other half: the process model that `mpk generate --tp G`
 uses, where each process owns one rank's Plan, weights and KV cache, exactly as each GPU will.
 A rank's CpuExecutor hands every `allreduce` tile the peers' partials by an all-gather of that
 tile across the group.
@@ -21,8 +21,9 @@ import torch.distributed as dist
 from mpk.backends.cpu.interpreter import CpuExecutor
 from mpk.compiler.plan import Plan
 from mpk.errors import MpkError
-from mpk.parallel.cpu import REDUCE_KIND
 from mpk.tasks.base import grid_points
+
+REDUCE_KIND = "allreduce"  # the task kind whose tiles exchange partials across ranks
 
 
 class GroupAllReduce:

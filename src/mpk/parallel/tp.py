@@ -119,7 +119,7 @@ class TensorParallel:
 class RankView:
     """One rank's executor (in its own process) seen as an executor of the FULL model: bind and
     write take full tensors and keep this rank's shard; read and run pass through (reads of
-    sharded tensors return the shard). Lets full-model helpers such as mpk.check.bind_model
+    sharded tensors return the shard). Lets full-model helpers such as mpk.engine.bind.bind_model
     drive one rank."""
 
     def __init__(self, executor: Any, tp: TensorParallel) -> None:

@@ -84,8 +84,8 @@ def profile_model(cfg: ModelConfig, steps: int = 200, *, weights: dict[str, Any]
     from mpk.backends.cuda.executor import CudaExecutor
     from mpk.bench.runner import bench_prompt
     from mpk.bench.timing import read_bandwidth_probe, require_cuda, summarize, time_decode
-    from mpk.check import bind_model
     from mpk.compiler.lower import compile_graph
+    from mpk.engine.bind import bind_model
     from mpk.models.builder import DecodeShape, build_graph
     from mpk.models.weights import random_weights
 

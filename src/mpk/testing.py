@@ -1,4 +1,11 @@
-"""MultiRankCpuExecutor: G tensor-parallel ranks on the CPU interpreter, with a simulated all-reduce.
+"""Helpers that only the tests use: token oracles and the multi-rank CPU executor.
+
+Nothing in mpk's commands imports this module; it lives in the package (not in tests/) because
+the GPU tests and the CPU tests share it, and its executor drives the interpreter's internals.
+
+Token oracles: generated tokens against the reference model, teacher-forced, up to a near-tie.
+
+MultiRankCpuExecutor: G tensor-parallel ranks on the CPU interpreter, with a simulated all-reduce.
 
 Each rank is a plain CpuExecutor over its own Plan (its own tensors, poisoned activations and
 dependency counters); this class only decides WHICH rank's task runs next and hands `allreduce`
@@ -32,12 +39,44 @@ from mpk.backends.cpu.interpreter import CpuExecutor
 from mpk.compiler import record
 from mpk.compiler.plan import Plan
 from mpk.errors import MpkError
+from mpk.models.reference import ReferenceModel
+from mpk.parallel.group import REDUCE_KIND
 from mpk.parallel.tp import TensorParallel, shard_dim, unshard
 from mpk.tasks.base import Tile, grid_points
 from mpk.tasks.registry import get_kind
 
+# Two logits closer than this (in units of the logits' std) are a near-tie: bf16 rounding and
+# summation order may legitimately pick either, so greedy tokens are compared up to it.
+NEAR_TIE = 2e-2
+
+
+# ---- token oracles ---------------------------------------------------------------------------
+def teacher_forced_gaps(ref: ReferenceModel, prompt: list[int],
+                        tokens: list[int]) -> torch.Tensor:
+    """For each generated token, how far its logit falls below the best one (in units of the
+    logits' std) when the reference reads the same context: the prompt and the tokens before it.
+    0 means the reference would have chosen it too."""
+    seq = torch.tensor([prompt + tokens[:-1]])
+    logits = ref.forward(seq, 0)[0, len(prompt) - 1:].double().cpu()
+    chosen = logits.gather(1, torch.tensor(tokens)[:, None])
+    best = logits.max(dim=1, keepdim=True).values
+    return ((best - chosen) / logits.std(dim=1, keepdim=True)).squeeze(1)
+
+
+def greedy_mismatches(ref: ReferenceModel, prompts: list[list[int]],
+                      outputs: list[list[int]], near_tie: float = NEAR_TIE) -> list[str]:
+    """The generated tokens that are not the reference's greedy choice up to a near-tie (in
+    units of the logits' std), described for an assertion message; empty when all agree."""
+    bad = []
+    for row, (prompt, tokens) in enumerate(zip(prompts, outputs, strict=True)):
+        gaps = teacher_forced_gaps(ref, prompt, tokens)
+        bad += [f"prompt {row} step {i}: token {tokens[i]} is {float(g):.3g} std below the best"
+                for i, g in enumerate(gaps) if g > near_tie]
+    return bad
+
+
+# ---- tensor-parallel ranks in one process ----------------------------------------------------
 ORDERS = ("schedule", "random")
-REDUCE_KIND = "allreduce"
 
 
 class CrossRankHazardError(MpkError):
