@@ -1,4 +1,4 @@
-"""The element types a Plan may use, and their torch / C++ names."""
+"""The element types a Plan may use, their torch dtypes and sizes."""
 
 from __future__ import annotations
 
@@ -19,10 +19,6 @@ class DType(enum.Enum):
     @property
     def itemsize(self) -> int:
         return 4 if self in (DType.F32, DType.I32) else 2
-
-    @property
-    def cpp(self) -> str:
-        return {DType.BF16: "__nv_bfloat16", DType.F32: "float", DType.I32: "int"}[self]
 
     @property
     def is_float(self) -> bool:

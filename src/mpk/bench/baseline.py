@@ -119,12 +119,6 @@ class StaticDecoder(nn.Module):
     def device(self) -> torch.device:
         return self.embed.device
 
-    def reset_cache(self) -> None:
-        """Zero the KV caches (not needed for correctness: the mask hides unwritten slots)."""
-        for layer in self.layers:
-            layer.k_cache.zero_()
-            layer.v_cache.zero_()
-
     def _attention(self, layer: _Layer, x: torch.Tensor, pos: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg

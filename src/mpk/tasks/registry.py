@@ -40,8 +40,3 @@ def get_kind(name: str) -> TaskKind:
     if name not in kinds:
         raise GraphError(f"unknown task kind {name!r}; known kinds: {', '.join(kinds)}")
     return kinds[name]
-
-
-def cuda_source(name: str, arch: str = "sm90") -> Path:
-    """The device code of one kind for one architecture."""
-    return TASKS_DIR / name / f"{arch}.cuh"

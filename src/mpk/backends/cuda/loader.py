@@ -66,7 +66,7 @@ class Megakernel:
         lib.mpk_kind_name.argtypes = [ctypes.c_int]
         lib.mpk_kind_name.restype = ctypes.c_char_p
         for name in ("mpk_abi_version", "mpk_record_words", "mpk_params_bytes", "mpk_error_words",
-                     "mpk_num_threads", "mpk_smem_bytes", "mpk_num_kinds"):
+                     "mpk_num_kinds"):
             getattr(lib, name).argtypes = []
             getattr(lib, name).restype = ctypes.c_int
         self._check_abi()
@@ -106,14 +106,6 @@ class Megakernel:
 
     def kind_names(self) -> list[str]:
         return [self._lib.mpk_kind_name(i).decode() for i in range(self._lib.mpk_num_kinds())]
-
-    @property
-    def num_threads(self) -> int:
-        return int(self._lib.mpk_num_threads())
-
-    @property
-    def smem_bytes(self) -> int:
-        return int(self._lib.mpk_smem_bytes())
 
     @property
     def profiling(self) -> bool:
