@@ -106,12 +106,20 @@ class ModelConfig:
         (rope_parameters holding rope_theta and the scaling keys)."""
         who = f"config {name!r}" if name else "config"
         model_type = d.get("model_type")
-        if model_type is None and d.get("architectures"):
-            model_type = _ARCHITECTURES.get(d["architectures"][0])
+        archs = d.get("architectures") or []
+        if model_type is None and archs:
+            model_type = _ARCHITECTURES.get(archs[0])
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedError(f"{who}: model_type {model_type!r} is not supported; "
-                                   f"supported: {sorted(SUPPORTED_MODEL_TYPES)}")
+            raise UnsupportedError(f"{who}: model_type {d.get('model_type')!r} (architectures "
+                                   f"{archs}) is not supported; supported: "
+                                   f"{sorted(SUPPORTED_MODEL_TYPES)}")
         arch = SUPPORTED_MODEL_TYPES[model_type]
+        # Both fields must agree: a GPT-2 checkpoint labelled model_type "llama" would load
+        # its tensors by llama's names and run as a different model.
+        foreign = [a for a in archs if _ARCHITECTURES.get(a) != arch]
+        if foreign:
+            raise UnsupportedError(f"{who}: architectures {archs} do not match model_type "
+                                   f"{model_type!r}; MPK runs {sorted(_ARCHITECTURES)}")
         _reject_unsupported_features(d, who)
         try:
             hidden = int(d["hidden_size"])
@@ -158,18 +166,29 @@ class ModelConfig:
 
 
 def load_config(path: str | Path) -> ModelConfig:
-    """Read `<path>/config.json` (or the file itself) into a ModelConfig named after the folder."""
+    """Read `<path>/config.json` (or the file itself) into a ModelConfig named after the folder;
+    a .gguf file (or a folder holding one and no config.json) is read from its metadata."""
+    from mpk.models.gguf import find_gguf, gguf_config, open_gguf
+
     path = Path(path)
-    file = path if path.is_file() else path / "config.json"
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return gguf_config(open_gguf(gguf_file))
+    file = path if path.is_file() else path / "config.json"
     if not file.is_file():
-        raise CheckpointError(f"{path} has no config.json")
+        raise CheckpointError(f"{path} has no config.json (and no .gguf file)")
     try:
         d = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file} is not valid JSON: {e}") from None
-    return ModelConfig.from_hf(d, name=file.parent.name)
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{file} is not a config.json (a JSON object)")
+    try:
+        return ModelConfig.from_hf(d, name=file.parent.name)
+    except (CheckpointError, UnsupportedError) as e:  # name the file the user has to fix
+        raise type(e)(f"{file}: {e}") from None
 
 
 def _rope_from_hf(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -258,6 +277,11 @@ PRESETS: dict[str, ModelConfig] = {c.name: c for c in (
     _qwen3("qwen3-8b", 4096, 12288, 36, 32, tied=False),
     _llama("llama-3.2-1b", 2048, 8192, 16, 32, head_dim=64, tied=True, factor=32.0),
     _llama("llama-3.1-8b", 4096, 14336, 32, 32, head_dim=128, tied=False, factor=8.0),
+    # SmolLM2-135M-Instruct: `mpk generate` runs its real weights (models/download.py).
+    ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_eps=1e-5,
+                rope_theta=100000.0, rope_scaling=None, max_position=8192, tie_embeddings=True,
+                qk_norm=False, bos_token_id=1, eos_token_ids=(2,), name="smollm2-135m"),
     _qwen3("tiny-qwen3", 64, 128, 2, 4, tied=True, vocab=256, kv=2, head_dim=64, bos=None,
            eos=(), max_pos=4096),
     _llama("tiny-llama", 64, 160, 2, 4, head_dim=64, tied=False, factor=8.0, vocab=256, kv=2,

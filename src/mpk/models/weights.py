@@ -13,6 +13,7 @@ import zlib
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
@@ -100,35 +101,27 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tens
     Every expected tensor must be present with the right shape; unexpected tensors are an error
     (they would mean a feature we would silently ignore, e.g. biases), except recomputed
     buffers such as rotary inv_freq and a tied model's redundant lm_head.weight."""
-    from safetensors import safe_open
+    from mpk.models.gguf import find_gguf, load_gguf
 
     path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint folder {path} does not exist")
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return load_gguf(gguf_file)
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint folder {path} does not exist"
-                              if not path.exists() else f"checkpoint path {path} is not a folder")
+        raise CheckpointError(f"checkpoint path {path} is neither a folder nor a .gguf file")
     cfg = load_config(path)
     shards = _shard_files(path)
-    expected = hf_weight_shapes(cfg)
     weights: dict[str, torch.Tensor] = {}
     for shard in tqdm(shards, desc=f"loading {path.name}", unit="shard", disable=None):
-        with safe_open(str(shard), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if name == "lm_head.weight" and cfg.tie_embeddings:
-                    continue  # tied: the embedding is the lm_head
-                if name not in expected:
-                    raise CheckpointError(f"unexpected tensor {name} in {shard} (not part of a "
-                                          f"{cfg.arch} model with this config.json)")
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != expected[name]:
-                    raise CheckpointError(f"tensor {name} in {shard} has shape {list(shape)}, "
-                                          f"expected {list(expected[name])} from config.json")
-                tensor = f.get_tensor(name)
-                if not tensor.is_floating_point():
-                    raise CheckpointError(f"tensor {name} in {shard} has dtype {tensor.dtype}; "
-                                          "expected a float type")
-                weights[name] = tensor.to(torch.bfloat16).contiguous()
+        try:
+            _load_shard(shard, cfg, weights)
+        except (SafetensorError, OSError) as e:
+            # An empty, cut or foreign file: say which file, not only where the parser stopped.
+            raise CheckpointError(f"{shard} is not a readable safetensors file (empty, "
+                                  f"truncated or corrupt): {e}") from None
+    expected = hf_weight_shapes(cfg)
     missing = [n for n in expected if n not in weights]
     if missing:
         raise CheckpointError(f"tensor {missing[0]} {list(expected[missing[0]])} is missing from "
@@ -137,8 +130,40 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tens
     return cfg, weights
 
 
+def _load_shard(shard: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Add one safetensors file's tensors to `weights` (checked against cfg's names, shapes)."""
+    from safetensors import safe_open
+
+    expected = hf_weight_shapes(cfg)
+    with safe_open(str(shard), framework="pt", device="cpu") as f:
+        for name in f.keys():
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and cfg.tie_embeddings:
+                continue  # tied: the embedding is the lm_head
+            if name not in expected:
+                raise CheckpointError(f"unexpected tensor {name} in {shard} (not part of a "
+                                      f"{cfg.arch} model with this config.json)")
+            shape = tuple(f.get_slice(name).get_shape())
+            if shape != expected[name]:
+                raise CheckpointError(f"tensor {name} in {shard} has shape {list(shape)}, "
+                                      f"expected {list(expected[name])} from config.json")
+            tensor = f.get_tensor(name)
+            if not tensor.is_floating_point():
+                raise CheckpointError(f"tensor {name} in {shard} has dtype {tensor.dtype}; "
+                                      "expected a float type")
+            weights[name] = tensor.to(torch.bfloat16).contiguous()
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer | None:
-    """The tokenizer in `<path>/tokenizer.json`, or None when the folder has none."""
+    """The tokenizer in `<path>/tokenizer.json` or in a GGUF checkpoint's metadata, or None
+    when the checkpoint has none."""
+    from mpk.models.gguf import find_gguf, open_gguf
+    from mpk.models.gguf_tokenizer import gguf_tokenizer
+
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return gguf_tokenizer(open_gguf(gguf_file))
     file = Path(path) / "tokenizer.json"
     if not file.is_file():
         return None
