@@ -268,6 +268,18 @@ def test_check_with_a_stub(capsys: pytest.CaptureFixture[str],
     assert code == 2 and "out of range" in err
 
 
+def test_check_shows_failures_first_when_rows_are_many(capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = [(f"layers.{i}.qkv", i * 1e-4, 1e-2, True) for i in range(60)]
+    rows.append(("hidden after layer 7", 0.5, 1e-2, False))
+    monkeypatch.setitem(sys.modules, "mpk.check",
+                        types.SimpleNamespace(run_check=lambda *a, **k: rows))
+    code, out, _ = run(capsys, "check", "--model", "tiny-qwen3", "--backend", "cpu")
+    assert code == 1 and "60 of 61 tensors within tolerance" in out
+    assert "hidden after layer 7" in out and "failures and the 10 closest passes" in out
+    assert "layers.59.qkv" in out and "layers.50.qkv" in out and "layers.49.qkv" not in out
+
+
 def test_check_a_checkpoint_slice(capsys: pytest.CaptureFixture[str], checkpoint: Path,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """--checkpoint: run_check gets the checkpoint's own weights, layer 1 renumbered as 0."""

@@ -1,5 +1,7 @@
-"""GPU vs interpreter on whole models (correctness gate 4). Runs on the H200 via
-scripts/gpu_check.sh; skipped without CUDA."""
+"""GPU vs interpreter on whole models (correctness gate 4: each layer against the interpreter
+fed the GPU's own input to that layer, so rounding cannot compound; the whole-model launch
+against the GPU's own per-layer run). Runs on the H200 via scripts/gpu_check.sh; skipped without
+CUDA. tests/test_check.py runs the same comparison with a CPU stand-in for the GPU."""
 
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from tests.interp.model_run import make_plan, run_prompts
 
 pytestmark = pytest.mark.gpu
 
-# (preset, layer slices): a one-layer slice and the whole model, except qwen3-8b whose CPU
-# interpreter twin would take minutes: there two layers.
+# (preset, layer slices): a one-layer slice and the whole model, except qwen3-8b, whose 36
+# one-layer interpreter runs would take minutes: there two layers.
 CASES = [
     ("tiny-qwen3", None), ("tiny-llama", None),
     ("qwen3-0.6b", 1), ("qwen3-0.6b", None),
