@@ -234,7 +234,10 @@ def _factory(backend: str | ExecutorFactory, seed: int) -> ExecutorFactory:
 
 
 def _outputs_names(plan: Plan) -> list[str]:
-    return [t.name for t in plan.tensors if t.role != "weight" and t.name not in INPUTS]
+    """What a run produces: activations and IO buffers, less the inputs the check writes (not
+    weights, nor tensors a backend derives from them)."""
+    return [t.name for t in plan.tensors
+            if t.role in ("activation", "io") and t.name not in INPUTS]
 
 
 def _outputs(ex: Executor, plan: Plan) -> dict[str, torch.Tensor]:
