@@ -70,10 +70,13 @@ def _add_model_args(p: argparse.ArgumentParser, checkpoint: bool = True) -> None
     presets = ", ".join(PRESETS)
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--model", metavar="PRESET",
-                       help=f"a model preset, run with seeded random weights: {presets}")
+                       help=f"a model preset: {presets}; `mpk generate` runs smollm2-135m with "
+                            "its real weights (downloaded once into MPK_CACHE_DIR), the others "
+                            "with seeded random weights")
     if checkpoint:
-        group.add_argument("--checkpoint", metavar="DIR",
-                           help="a Hugging Face checkpoint folder (config.json + safetensors)")
+        group.add_argument("--checkpoint", metavar="PATH",
+                           help="a Hugging Face checkpoint folder (config.json + safetensors), "
+                                "a .gguf file (llama, qwen3) or a folder holding one")
 
 
 def _add_backend_arg(p: argparse.ArgumentParser) -> None:
@@ -127,11 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     prompt = g.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", metavar="TEXT", action="append",
-                        help="prompt text (needs a checkpoint with tokenizer.json); repeat for a "
-                             "batch")
+                        help="prompt text (needs a tokenizer: a checkpoint's tokenizer.json or "
+                             "GGUF metadata); repeat for a batch")
     prompt.add_argument("--prompt-ids", metavar="IDS", type=_token_ids, action="append",
                         help="prompt token ids, e.g. 1,2,3; repeat for a batch "
                              f"(default: {','.join(map(str, DEFAULT_PROMPT_IDS))})")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap each --prompt in the model's chat template as one user turn")
     g.add_argument("--max-new-tokens", type=int, default=8, metavar="N",
                    help="tokens to generate per prompt (default: 8)")
     _add_backend_arg(g)
@@ -265,25 +270,29 @@ def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) ->
 # ---- mpk generate ----------------------------------------------------------------------------
 def _cmd_generate(args: argparse.Namespace) -> int:
     from mpk.engine.job import GenerateJob, ModelSource, run_job
-    from mpk.models import get_preset, load_config, load_tokenizer
+    from mpk.models.resolve import resolve_model
 
     backend = _backend(args)
-    tokenizer = None
-    if args.checkpoint:
-        cfg = load_config(args.checkpoint)
-        tokenizer = load_tokenizer(args.checkpoint)
-        model = cfg.name or args.checkpoint
-    else:
-        cfg = get_preset(args.model)
-        model = args.model
-        _note(f"no --checkpoint given: using preset {model!r} with random weights (seed "
-              f"{args.seed}); the generated ids carry no meaning")
-    if args.prompt and tokenizer is None:
-        where = (f"{args.checkpoint} has no tokenizer.json" if args.checkpoint
-                 else "presets have none")
+    resolved = resolve_model(args.model if not args.checkpoint else None, args.checkpoint,
+                             progress=False if args.json else None)
+    cfg, model, tokenizer, checkpoint = (resolved.cfg, resolved.label, resolved.tokenizer,
+                                         resolved.checkpoint)
+    if checkpoint is None:
+        _note(f"preset {model!r} runs with random weights (seed {args.seed}); the generated ids "
+              f"carry no meaning (smollm2-135m runs real weights)")
+    if (args.prompt or args.chat) and tokenizer is None:
+        where = (f"{checkpoint} has no tokenizer.json or GGUF vocabulary" if checkpoint
+                 else "random-weight presets have none")
         raise MpkError(f"--prompt needs a tokenizer ({where}); give token ids with --prompt-ids "
-                       f"1,2,3 or a --checkpoint folder holding tokenizer.json")
-    if args.prompt:
+                       f"1,2,3 or a checkpoint that has one")
+    if args.chat:
+        if args.prompt_ids or resolved.chat_template is None:
+            raise MpkError("--chat needs --prompt TEXT and a model with a chat template"
+                           + ("" if args.prompt_ids else f" ({model} has none)"))
+        chats = [resolved.chat_template.prompt(t) for t in args.prompt or [DEFAULT_PROMPT_TEXT]]
+        # The template writes the special tokens itself: no BOS added on top.
+        prompts = [tokenizer.encode(text, add_special_tokens=False).ids for text in chats]
+    elif args.prompt:
         prompts = [tokenizer.encode(text).ids for text in args.prompt]
     elif args.prompt_ids:
         prompts = args.prompt_ids
@@ -293,7 +302,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         prompts = [list(DEFAULT_PROMPT_IDS)]
     # Default KV length: what this request needs (the engine rounds it up to whole pages).
     need = max(len(p) for p in prompts) + max(args.max_new_tokens, 1) - 1
-    job = GenerateJob(ModelSource(cfg, args.checkpoint, args.seed), prompts, args.max_new_tokens,
+    job = GenerateJob(ModelSource(cfg, checkpoint, args.seed), prompts, args.max_new_tokens,
                       () if args.ignore_eos else cfg.eos_token_ids, backend, args.num_sms,
                       args.max_seq_len or need, args.steps_per_launch,
                       progress=False if args.json else None)
@@ -301,8 +310,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     texts = [tokenizer.decode(ids) for ids in result.token_ids] if tokenizer else None
     if args.json:
         out = {"model": model, "backend": backend, "tp": args.tp,
-               "random_weights": not args.checkpoint,
-               "seed": None if args.checkpoint else args.seed, "prompt_ids": prompts,
+               "random_weights": checkpoint is None,
+               "seed": None if checkpoint else args.seed, "prompt_ids": prompts,
                "token_ids": result.token_ids,
                "timings": {k: round(float(v), 6) for k, v in result.timings.items()}}
         if texts is not None:
