@@ -9,7 +9,8 @@ from mpk.errors import UnsupportedError
 
 
 def cache_dir() -> Path:
-    """MPK_CACHE_DIR: where built megakernels are kept (default ~/.cache/mpk)."""
+    """MPK_CACHE_DIR: where built megakernels and downloaded models (models/) are kept
+    (default ~/.cache/mpk)."""
     return Path(os.environ.get("MPK_CACHE_DIR", Path.home() / ".cache" / "mpk"))
 
 
