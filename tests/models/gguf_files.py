@@ -29,8 +29,9 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _k_blocks(rows: int, cols: int, qtype: Q, seed: int) -> np.ndarray:
-    """Random K-quant blocks (gguf cannot quantize these; the tests compare dequantizers). Every byte is < 0x3C, so each f16
-    scale inside a block is finite and below 1 whatever the layout: no NaN, no overflow."""
+    """Random K-quant blocks (gguf cannot quantize these; the tests compare dequantizers).
+    Every byte is < 0x3C, so each f16 scale inside a block is finite and below 1 whatever the
+    layout: no NaN, no overflow."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     gen = np.random.default_rng(seed)
     return gen.integers(0, 0x3C, (rows, cols // block * size), dtype=np.uint8)

@@ -161,18 +161,21 @@ def test_cli_names_a_bad_gguf_and_exits_2(tmp_path, capsys) -> None:
 
 def _tokenizer_gguf(tmp_path: Path, pre: str = "smollm") -> Path:
     tok = byte_level_tokenizer(pre)
+    tok["add_bos_token"] = pre == "llama-bpe"  # as Llama 3 files say: BOS before every text
     cfg = dataclasses.replace(get_preset("tiny-llama"), vocab_size=len(tok["token_list"]))
     return write_gguf(tmp_path / "tok.gguf", cfg, random_weights(cfg, seed=4), tokenizer=tok,
                       rope_freqs=True)
 
 
 TEXTS = ["The capital of France is", "the cap it al", "<|im_start|>user\nhi<|im_end|>\n",
-         "Ünïcödé 12345  spaces\n\n\ttabs", "don't", ""]
+         "Ünïcödé 12345  spaces\n\n\ttabs", "don't", "THE'S  \n\n the", ""]
 
 
-def test_tokenizer_and_chat_template_match_transformers(tmp_path) -> None:
+@pytest.mark.parametrize("pre", ["smollm", "qwen2", "llama-bpe", "default"])
+def test_tokenizer_and_chat_template_match_transformers(tmp_path, pre: str) -> None:
+    """Per llama.cpp pre-tokenizer type (SmolLM2, Qwen3, Llama 3, GPT-2 style splits)."""
     transformers = pytest.importorskip("transformers")
-    path = _tokenizer_gguf(tmp_path)
+    path = _tokenizer_gguf(tmp_path, pre)
     ours = load_tokenizer(path)
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     for text in TEXTS:
@@ -180,6 +183,7 @@ def test_tokenizer_and_chat_template_match_transformers(tmp_path) -> None:
         assert ids == theirs(text)["input_ids"], text
         assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids), text
     assert ours.encode(" the capital").ids != ours.encode(" the cap ital").ids  # merges apply
+    assert (ours.encode("the").ids[0] == 1) == (pre == "llama-bpe")  # add_bos_token honoured
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     template = load_chat_template(path)
     text = template.render(messages)

@@ -143,7 +143,7 @@ def load_gguf(path: str | Path, name: str = "") -> tuple[ModelConfig, dict[str, 
 
     Every expected tensor must be present with the right shape and a supported type; an
     unexpected tensor (e.g. a bias MPK would silently ignore) is an error, as for safetensors."""
-    from gguf import GGMLQuantizationType, MODEL_ARCH_NAMES, get_tensor_name_map
+    from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, get_tensor_name_map
     from gguf.quants import dequantize
 
     from mpk.models.weights import hf_weight_shapes
