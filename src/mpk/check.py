@@ -14,7 +14,8 @@ is reported at the layer that makes it and cannot grow downstream.
 The one-layer chain does not run the real multi-layer megakernel, so the backend also runs the
 whole sliced model as one multi-step launch, and each of its buffers is compared with the same
 backend's chain (same kernels, same inputs: equal unless scheduling across layers or steps is
-wrong). Finally the logits are compared with the independent PyTorch reference model.
+wrong; this assumes the backend is deterministic, as the megakernel's fixed-order reductions
+are). Finally the logits are compared with the independent PyTorch reference model.
 
 Nothing here lists buffer names except the graph's IO contract (docs/architecture.md) and the
 embedding op's operands: whatever activations the plans hold are compared, so fusing or
