@@ -53,3 +53,10 @@ def test_gguf_checkpoint_with_prompt_ids(capsys: pytest.CaptureFixture[str]) -> 
                          "--backend", "cpu", "--num-sms", "2", "--max-new-tokens", "2")
     assert code == 0, err
     assert "-> ' Paris.'" in out, out
+
+
+def test_chat_needs_prompt_text(capsys: pytest.CaptureFixture[str]) -> None:
+    smollm2_gguf()
+    code, _, err = run(capsys, "generate", "--model", "smollm2-135m", "--chat", "--prompt-ids",
+                       "1,2", "--backend", "cpu")
+    assert code == 2 and "--chat needs --prompt TEXT" in err and err.count("\n") == 1, err
