@@ -23,7 +23,8 @@ from mpk.parallel.tp import TensorParallel
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A local Hugging Face checkpoint, or a preset with seeded random weights."""
+    """A local checkpoint (a Hugging Face folder or a GGUF file), or a preset with seeded random
+    weights."""
 
     cfg: ModelConfig
     checkpoint: str | None = None
