@@ -78,7 +78,11 @@ def open_gguf(path: str | Path) -> GGUFFile:
 
 @lru_cache(maxsize=2)
 def _open(resolved: Path, mtime_ns: int, size: int, path: Path) -> GGUFFile:
-    from gguf import GGUFReader
+    try:
+        from gguf import GGUFReader
+    except ImportError:  # a --no-deps install (GPU machines keep their own torch)
+        raise UnsupportedError(f"reading {path} needs the gguf package: python -m pip install "
+                               f"gguf") from None
 
     try:
         reader = GGUFReader(str(path))
