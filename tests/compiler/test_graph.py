@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import mpk
+import mpk.compiler.lower
+import mpk.tasks.registry
 from mpk.dtypes import DType
 from mpk.errors import GraphError
 from mpk.graph.graph import Graph
@@ -28,13 +30,31 @@ def test_wrong_shape_names_layer_and_tensor() -> None:
 
 
 def test_grid_must_divide_tensor() -> None:
-    with pytest.raises(GraphError, match=r"layer 'proj'.*does not divide.*'w'"):
-        _graph().add_op("linear", "proj", (5,), {"x": "x", "weight": "w", "out": "y"})
+    g = _graph()
+    g.add_tensor("nw", (64,), DType.BF16, Role.WEIGHT)
+    g.add_tensor("h", (2, 64), DType.BF16, Role.ACTIVATION)
+    with pytest.raises(GraphError, match=r"layer 'norm'.*does not divide.*'x'"):
+        g.add_op("rmsnorm", "norm", (3,), {"x": "x", "weight": "nw", "out": "h"})
+
+
+def test_linear_cuts_uneven_aligned_ranges() -> None:
+    g = _graph()  # 96 rows = 12 pieces of 8: 5 tasks get 16, 16, 16, 24, 24 rows
+    g.add_op("linear", "proj", (5,), {"x": "x", "weight": "w", "out": "y"})
+    plan = mpk.compiler.lower.compile_graph(g, num_sms=2)
+    view = plan.op_view(0)
+    kind = mpk.tasks.registry.get_kind("linear")
+    rows = [kind.region(view, "weight", (t, 0, 0))[0] for t in range(5)]
+    assert rows == [(0, 16), (16, 32), (32, 56), (56, 72), (72, 96)]
+    with pytest.raises(GraphError, match=r"layer 'more'.*larger than the 12 pieces of 8"):
+        _graph().add_op("linear", "more", (13,), {"x": "x", "weight": "w", "out": "y"})
 
 
 def test_grid_axis_must_split_outputs() -> None:
+    g = _graph()
+    g.add_tensor("nw", (64,), DType.BF16, Role.WEIGHT)
+    g.add_tensor("h", (2, 64), DType.BF16, Role.ACTIVATION)
     with pytest.raises(GraphError, match="would write the same region"):
-        _graph().add_op("linear", "proj", (1, 2), {"x": "x", "weight": "w", "out": "y"})
+        g.add_op("rmsnorm", "norm", (1, 2), {"x": "x", "weight": "nw", "out": "h"})
 
 
 def test_duplicate_and_invalid_names() -> None:

@@ -7,6 +7,7 @@ independently of any task kernel's numerics.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +49,7 @@ def chain_plan(n: int = 1 << 16, tiles: int = 64, num_sms: int = 32) -> Plan:
             rec[record.KIND], rec[record.OP], rec[record.TASK] = 0, op_index, op_index * tiles + j
             rec[record.NUM_WAITS] = len(waits[op_index])
             for w, triple in enumerate(waits[op_index]):
-                rec[record.WAITS + record.WAIT_STRIDE * w:][:3] = triple
+                rec[record.WAITS + record.WAIT_STRIDE * w:][:record.WAIT_STRIDE] = triple
             rec[record.NUM_SIGNALS] = 1
             rec[record.SIGNALS] = op_index
             rec[record.POINT:record.POINT + 3] = (j, 0, 0)
@@ -60,11 +61,7 @@ def chain_plan(n: int = 1 << 16, tiles: int = 64, num_sms: int = 32) -> Plan:
                 base = record.OPERANDS + record.OPERAND_STRIDE * slot
                 rec[base] = tid
                 rec[base + 1:base + 3] = record.split64(t * tile)
-            for p in range(record.MAX_PREFETCH):
-                rec[record.PREFETCH + record.PREFETCH_STRIDE * p] = -1
-            # Exercise the L2 prefetch path (a hint; harmless on an activation).
-            prefetch = (x, *record.split64(src * tile * 4), tile * 4)
-            rec[record.PREFETCH:record.PREFETCH + record.PREFETCH_STRIDE] = prefetch
+            rec[record.STREAM] = -1  # no weight pages
             recs.append(rec.astype(np.int32))
 
     lengths = np.zeros(num_sms, dtype=np.int32)
@@ -94,7 +91,4 @@ def patch_record(plan: Plan, task: int, word: int, value: int) -> Plan:
     sm, index = plan.locate(task)
     instrs = plan.instrs.copy()
     instrs[sm, index, word] = value
-    return Plan(num_sms=plan.num_sms, kinds=plan.kinds, tensors=plan.tensors, ops=plan.ops,
-                op_params=plan.op_params, instrs=instrs, lengths=plan.lengths,
-                counter_counts=plan.counter_counts, arena_bytes=plan.arena_bytes,
-                meta=dict(plan.meta))
+    return dataclasses.replace(plan, instrs=instrs, meta=dict(plan.meta))

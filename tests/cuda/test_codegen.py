@@ -49,7 +49,12 @@ def test_layout_constants_come_from_record() -> None:
     for name, value in record.layout_constants().items():
         assert consts[f"REC_{name}"] == value, name
     assert consts["NUM_THREADS"] == 256
-    assert consts["SMEM_BYTES"] == 200 * 1024
+    plan = small_plan()
+    assert consts["SMEM_BYTES"] == plan.scratch_bytes == 16 * 1024
+    assert consts["PAGE_BYTES"] == 16 * 1024 and consts["NUM_PAGES"] == codegen.MAX_PAGES
+    assert consts["DYN_SMEM_BYTES"] == consts["NUM_PAGES"] * consts["PAGE_BYTES"] + \
+        consts["SMEM_BYTES"] == codegen.dynamic_smem_bytes(plan.scratch_bytes)
+    assert consts["DYN_SMEM_BYTES"] + codegen.STATIC_RESERVE <= codegen.SMEM_LIMIT
     assert consts["PARAM_WORDS"] == record.PARAM_WORDS
     assert consts["MPK_ABI_VERSION"] == codegen.ABI_VERSION
     assert consts["ERR_WORDS"] == codegen.ERROR_WORDS
@@ -87,12 +92,25 @@ def test_kinds_dispatch_and_includes_follow_the_plan() -> None:
     assert src.index("bool dispatch") < src.index('#include "runtime.cuh"')
 
 
-def test_source_depends_only_on_kinds() -> None:
+def test_source_depends_only_on_kinds_and_sizes() -> None:
     assert codegen.render(small_plan(4)) == codegen.render(small_plan(7))
     assert codegen.render(chain_plan(n=256, tiles=4, num_sms=2)) == codegen.render_kinds(
         ["silu_mul"])
     with pytest.raises(CompileError, match="duplicate"):
         codegen.render_kinds(["rmsnorm", "rmsnorm"])
+    # A larger task scratch leaves fewer weight pages; too large a one is refused clearly.
+    big = constants(codegen.render_kinds(["silu_mul"], scratch_bytes=96 * 1024))
+    assert big["NUM_PAGES"] == (codegen.SMEM_LIMIT - codegen.STATIC_RESERVE - 96 * 1024) // \
+        codegen.PAGE_BYTES < codegen.MAX_PAGES
+    with pytest.raises(UnsupportedError, match="weight pages"):
+        codegen.render_kinds(["silu_mul"], scratch_bytes=200 * 1024)
+
+
+def test_plan_constants_raise_kind_defaults() -> None:
+    src = codegen.render_kinds(["attention"])
+    assert constants(src)["ATTN_MAX_HEAD_DIM"] == 128
+    src = codegen.render_kinds(["attention"], constants={"ATTN_MAX_HEAD_DIM": 256})
+    assert constants(src)["ATTN_MAX_HEAD_DIM"] == 256
 
 
 def test_params_struct_layout() -> None:

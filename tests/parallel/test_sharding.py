@@ -44,7 +44,7 @@ def test_rank_graph_shapes(preset: str) -> None:
     tp = TensorParallel(1, 2)
     g = build_graph(cfg, SHAPE, num_sms=6, tp=tp)
     d, h, group = cfg.head_dim, cfg.hidden_size, cfg.group
-    assert g.tensors["layers.0.qkv_weight"].shape == (1, (group + 2) * d, h)
+    assert g.tensors["layers.0.qkv_weight"].shape == ((group + 2) * d, h)  # one KV head
     assert g.tensors["layers.0.o_weight"].shape == (h, group * d)
     assert g.tensors["layers.0.gate_up_weight"].shape == (2, cfg.intermediate_size // 2, h)
     assert g.tensors["layers.0.down_weight"].shape == (h, cfg.intermediate_size // 2)

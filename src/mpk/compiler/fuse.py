@@ -1,9 +1,10 @@
-"""Fusion rewrites on the Graph, so models stay unfused and readable.
+"""Fusion rewrites on the Graph, so models stay op by op and readable.
 
-rmsnorm -> linear and silu_mul -> linear: when the intermediate tensor is an activation read only
-by linears (as x, with no prologue) and nothing rewrites the producer's input in between, each
-linear takes the producer's input with the matching prologue and the producer op disappears.
-This removes one dependency phase per fusion.
+rmsnorm -> linear: when the normalised tensor is an activation read only by linears (as x, with
+no prologue) and nothing rewrites the norm's input in between, each linear takes the norm's input
+with the rmsnorm prologue and the norm op disappears. This removes one dependency phase per
+norm. (silu*mul is the gate_up linear's epilogue and RoPE is part of attention: ops of their
+own, not fusions.)
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from mpk.graph.graph import Graph, Op
 from mpk.tensors import Role
 
-_PROLOGUE = {"rmsnorm": "rmsnorm", "silu_mul": "silu_mul"}
+_PROLOGUE = {"rmsnorm": "rmsnorm"}
 
 
 def fuse(graph: Graph) -> Graph:
@@ -25,7 +26,7 @@ def fuse(graph: Graph) -> Graph:
         if graph.tensors[out].role is not Role.ACTIVATION:
             continue
         users = [j for j, o in enumerate(ops) if j != i and out in dict(o.operands).values()]
-        if not users or not all(_fusable_user(ops[j], out) for j in users):
+        if not users or not all(_fusable_user(ops[j], out, graph) for j in users):
             continue
         src = op.tensor_of("x")
         if any(src in _written(ops[k]) for k in range(i + 1, max(users) + 1)):
@@ -46,10 +47,14 @@ def fuse(graph: Graph) -> Graph:
     return fused
 
 
-def _fusable_user(op: Op, tensor: str) -> bool:
+def _fusable_user(op: Op, tensor: str, graph: Graph) -> bool:
+    from mpk.tasks.linear.task import MAX_NORM_K
+
     operands = dict(op.operands)
     uses = [k for k, v in operands.items() if v == tensor]
-    return op.kind == "linear" and uses == ["x"] and dict(op.attrs)["prologue"] == "none"
+    k = graph.tensors[operands["weight"]].shape[-1] if op.kind == "linear" else 0
+    return (op.kind == "linear" and uses == ["x"] and dict(op.attrs)["prologue"] == "none"
+            and k <= MAX_NORM_K)
 
 
 def _written(op: Op) -> set[str]:

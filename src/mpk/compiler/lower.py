@@ -12,20 +12,17 @@ from mpk.compiler import record
 from mpk.compiler.counters import CounterPlan, assign_counters
 from mpk.compiler.deps import find_edges
 from mpk.compiler.fuse import fuse
-from mpk.compiler.plan import Plan, PlanOp, PlanTensor
+from mpk.compiler.plan import Plan, PlanOp, PlanStream, PlanTensor
 from mpk.compiler.schedule import CostModel, Schedule, schedule_tasks
 from mpk.compiler.simulate import check_deadlock_free
 from mpk.compiler.tiling import TiledOp, tile_graph
 from mpk.errors import CompileError
 from mpk.graph.graph import Graph
+from mpk.tasks.base import PAGE_BYTES, StreamLayout
 from mpk.tensors import Role
 
 ARENA_ALIGN = 256
-# The runtime warms L2 with the first bytes of the next task's weights while it waits on
-# counters. Only a head start: prefetching whole tiles (up to MBs per SM) overflows the L2, so
-# lines get evicted before use and weights are read twice (measured: linear at 60% of cuBLAS
-# with whole-tile prefetch, 83-93% without).
-PREFETCH_BYTES = 64 * 1024
+SCRATCH_ROUND = 16 * 1024  # Plan.scratch_bytes granularity (one CUDA build per size)
 
 
 def compile_graph(graph: Graph, num_sms: int = 132, *, fuse_ops: bool = True,
@@ -43,23 +40,29 @@ def compile_graph(graph: Graph, num_sms: int = 132, *, fuse_ops: bool = True,
     counters = assign_counters([op.num_tasks for op in ops], edges)
     costs = [op.kind.cost(op.view) for op in ops for _ in range(op.num_tasks)]
     sched = schedule_tasks(costs, counters.waits, counters.signals, num_sms, cost_model)
+    layouts = {op.index: op.kind.stream_layout(op.view) for op in ops}
     tensors, tensor_ids, arena = _tensor_table(graph, ops)
+    streams = tuple(PlanStream(op.index, layouts[op.index].total_bytes) for op in ops
+                    if layouts[op.index] is not None)
+    stream_ids = {s.op: len(tensors) + i for i, s in enumerate(streams)}
     kinds = tuple(sorted({op.op.kind for op in ops}))
-    instrs, lengths = _records(ops, counters, sched, tensor_ids, kinds, graph, num_sms)
+    instrs, lengths = _records(ops, counters, sched, tensor_ids, kinds, graph, num_sms, layouts,
+                               stream_ids)
     check_deadlock_free(instrs, lengths, len(counters.counts))
     plan = Plan(
         num_sms=num_sms, kinds=kinds, tensors=tensors,
         ops=tuple(_plan_op(op, tensor_ids) for op in ops),
         op_params=_op_params(ops), instrs=instrs, lengths=lengths,
         counter_counts=np.array(counters.counts, dtype=np.int32), arena_bytes=arena,
+        scratch_bytes=_scratch_bytes(ops), streams=streams, constants=_cuda_constants(ops),
     )
     plan.meta.update(_stats(ops, counters, sched, plan, costs, cost_model))
     plan.meta["compile_s"] = round(time.perf_counter() - t0, 3)
     return plan
 
 
-def _tensor_table(graph: Graph, ops: list[TiledOp]) -> tuple[tuple[PlanTensor, ...],
-                                                             dict[str, int], int]:
+def _tensor_table(graph: Graph, ops: list[TiledOp]
+                  ) -> tuple[tuple[PlanTensor, ...], dict[str, int], int]:
     used = {acc.tensor for op in ops for acc in op.accesses}
     table, ids, offset = [], {}, 0
     for name, spec in graph.tensors.items():
@@ -81,6 +84,19 @@ def _plan_op(op: TiledOp, tensor_ids: dict[str, int]) -> PlanOp:
                   tuple(op.op.splits), tuple(op.op.attrs), op.first_task)
 
 
+def _cuda_constants(ops: list[TiledOp]) -> tuple[tuple[str, int], ...]:
+    values: dict[str, int] = {}
+    for op in ops:
+        for name, value in op.kind.cuda_constants(op.view).items():
+            values[name] = max(values.get(name, value), value)
+    return tuple(sorted(values.items()))
+
+
+def _scratch_bytes(ops: list[TiledOp]) -> int:
+    need = max((op.kind.scratch_bytes(op.view) for op in ops), default=0)
+    return max(SCRATCH_ROUND, -(-need // SCRATCH_ROUND) * SCRATCH_ROUND)
+
+
 def _op_params(ops: list[TiledOp]) -> np.ndarray:
     table = np.zeros((len(ops), record.PARAM_WORDS), dtype=np.int32)
     for i, op in enumerate(ops):
@@ -93,7 +109,8 @@ def _op_params(ops: list[TiledOp]) -> np.ndarray:
 
 def _records(ops: list[TiledOp], counters: CounterPlan, sched: Schedule,
              tensor_ids: dict[str, int], kinds: tuple[str, ...], graph: Graph,
-             num_sms: int) -> tuple[np.ndarray, np.ndarray]:
+             num_sms: int, layouts: dict[int, StreamLayout | None], stream_ids: dict[int, int]
+             ) -> tuple[np.ndarray, np.ndarray]:
     lengths = np.bincount(sched.sm_of_task, minlength=num_sms).astype(np.int32)
     instrs = np.full((num_sms, max(int(lengths.max()), 1), record.WORDS), 0, dtype=np.int32)
     fill = np.zeros(num_sms, dtype=np.int64)
@@ -103,6 +120,7 @@ def _records(ops: list[TiledOp], counters: CounterPlan, sched: Schedule,
         for local in range(op.num_tasks):
             task = op.first_task + local
             rec = _record_of(op, local, task, kind_id, slots, counters, tensor_ids, graph)
+            _stream_fields(rec, layouts[op.index], local, stream_ids.get(op.index, -1))
             sm = int(sched.sm_of_task[task])
             instrs[sm, fill[sm]] = rec
             fill[sm] += 1
@@ -116,7 +134,8 @@ def _record_of(op: TiledOp, local: int, task: int, kind_id: int, slots: dict[str
     waits = counters.waits[task]
     rec[record.NUM_WAITS] = len(waits)
     for w, (c, count, prev) in enumerate(waits):
-        rec[record.WAITS + 3 * w: record.WAITS + 3 * w + 3] = (c, count, int(prev))
+        base = record.WAITS + record.WAIT_STRIDE * w
+        rec[base: base + record.WAIT_STRIDE] = (c, count, int(prev))
     signals = counters.signals[task]
     rec[record.NUM_SIGNALS] = len(signals)
     rec[record.SIGNALS: record.SIGNALS + len(signals)] = signals
@@ -124,25 +143,33 @@ def _record_of(op: TiledOp, local: int, task: int, kind_id: int, slots: dict[str
     rec[record.NUM_OPERANDS] = len(op.kind.operands)
     for s in range(record.MAX_OPERANDS):
         rec[record.OPERANDS + record.OPERAND_STRIDE * s] = -1
-    for p in range(record.MAX_PREFETCH):
-        rec[record.PREFETCH + record.PREFETCH_STRIDE * p] = -1
-    num_prefetch = 0
     for acc in op.accesses:
         spec = graph.tensors[acc.tensor]
         box = acc.boxes[local]
-        strides = spec.strides()
-        first = int(sum(int(lo) * st for (lo, _), st in zip(box, strides)))
-        last = int(sum((int(hi) - 1) * st for (_, hi), st in zip(box, strides)))
+        first = int(sum(int(lo) * st for (lo, _), st in zip(box, spec.strides())))
         base = record.OPERANDS + record.OPERAND_STRIDE * slots[acc.operand]
         rec[base] = tensor_ids[acc.tensor]
         rec[base + 1: base + 3] = record.split64(first)
-        if acc.weight and num_prefetch < record.MAX_PREFETCH:
-            pbase = record.PREFETCH + record.PREFETCH_STRIDE * num_prefetch
-            rec[pbase] = tensor_ids[acc.tensor]
-            rec[pbase + 1: pbase + 3] = record.split64(first * spec.dtype.itemsize)
-            rec[pbase + 3] = min((last - first + 1) * spec.dtype.itemsize, PREFETCH_BYTES)
-            num_prefetch += 1
-    return rec.astype(np.int32)
+    return rec
+
+
+def _stream_fields(rec: np.ndarray, layout: StreamLayout | None, local: int,
+                   tensor_id: int) -> None:
+    rec[record.STREAM] = -1
+    if layout is None:
+        return
+    runs = layout.runs[local]
+    if len(runs) > record.MAX_RUNS:
+        raise AssertionError(f"a task stream has {len(runs)} runs; records hold "
+                             f"{record.MAX_RUNS}")
+    rec[record.STREAM] = tensor_id
+    rec[record.STREAM_OFFSET: record.STREAM_OFFSET + 2] = record.split64(layout.offsets[local])
+    for r, (count, nbytes) in enumerate(runs):
+        if nbytes % 16 or not 0 < nbytes <= PAGE_BYTES or count <= 0:
+            raise AssertionError(f"run of {count} pages of {nbytes} bytes: pages are positive "
+                                 f"multiples of 16 bytes up to {PAGE_BYTES}")
+        base = record.STREAM_RUNS + record.RUN_STRIDE * r
+        rec[base: base + 2] = (count, nbytes)
 
 
 def _stats(ops: list[TiledOp], counters: CounterPlan, sched: Schedule, plan: Plan,

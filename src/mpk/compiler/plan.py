@@ -43,6 +43,16 @@ class PlanOp:
     first_task: int
 
 
+@dataclass(frozen=True)
+class PlanStream:
+    """An op's GPU weight stream (TaskKind.stream_layout): built by the CUDA backend from the op's
+    bound weights; the CPU interpreter never reads it. Its id in the device tensor table is
+    len(Plan.tensors) + its index in Plan.streams."""
+
+    op: int
+    nbytes: int
+
+
 @dataclass
 class Plan:
     num_sms: int
@@ -54,6 +64,12 @@ class Plan:
     lengths: np.ndarray  # int32 [num_sms]
     counter_counts: np.ndarray  # int32 [num_counters]: signals per counter per step
     arena_bytes: int
+    # Shared memory one task may use (the largest TaskKind.scratch_bytes of the plan, rounded up
+    # to 16 KB so similar plans share a CUDA build); the rest holds weight pages.
+    scratch_bytes: int = 16 * 1024
+    streams: tuple[PlanStream, ...] = ()
+    # Compile-time constants of the kinds' CUDA code (TaskKind.cuda_constants), largest per name
+    constants: tuple[tuple[str, int], ...] = ()
     meta: dict[str, Any] = field(default_factory=dict)
 
     def check_steps(self, num_steps: int) -> None:
@@ -112,12 +128,15 @@ class Plan:
     # ---- serialisation ---------------------------------------------------------------------
     def header(self) -> dict[str, Any]:
         return {
-            "format": 1,
+            "format": 2,
             "num_sms": self.num_sms,
             "kinds": list(self.kinds),
             "tensors": [asdict(t) for t in self.tensors],
             "ops": [asdict(o) for o in self.ops],
             "arena_bytes": self.arena_bytes,
+            "scratch_bytes": self.scratch_bytes,
+            "streams": [asdict(s) for s in self.streams],
+            "constants": [list(c) for c in self.constants],
             "record_words": record.WORDS,
         }
 
@@ -153,5 +172,8 @@ class Plan:
                       for o in head["ops"]),
             op_params=arrays["op_params"], instrs=arrays["instrs"], lengths=arrays["lengths"],
             counter_counts=arrays["counter_counts"], arena_bytes=head["arena_bytes"],
+            scratch_bytes=head.get("scratch_bytes", 16 * 1024),
+            streams=tuple(PlanStream(s["op"], s["nbytes"]) for s in head.get("streams", [])),
+            constants=tuple((str(n), int(v)) for n, v in head.get("constants", [])),
             meta=head.get("meta", {}),
         )

@@ -9,8 +9,8 @@ from __future__ import annotations
 WORDS = 80
 MAX_WAITS = 4
 MAX_SIGNALS = 2
-MAX_OPERANDS = 10
-MAX_PREFETCH = 2
+MAX_OPERANDS = 12
+MAX_RUNS = 3
 PARAM_WORDS = 32
 
 KIND = 0  # index into Plan.kinds
@@ -23,21 +23,43 @@ SIGNALS = 17  # MAX_SIGNALS counter ids
 POINT = 19  # grid point (3 words)
 NUM_OPERANDS = 22
 OPERANDS = 24  # MAX_OPERANDS x (tensor id or -1, element offset low, element offset high)
-PREFETCH = 54  # MAX_PREFETCH x (tensor id or -1, byte offset low, byte offset high, bytes)
-END = 62
+# The task's weight stream (TaskKind.stream_layout), which the runtime's loader copies into
+# shared-memory pages ahead of the task: the stream tensor's id (-1: none), the byte offset of
+# this task's part, and MAX_RUNS x (page count, bytes per page), unused runs (0, 0).
+STREAM = 60
+STREAM_OFFSET = 61  # low, high
+STREAM_RUNS = 63
+END = 69
 
 WAIT_STRIDE = 3
 OPERAND_STRIDE = 3
-PREFETCH_STRIDE = 4
+RUN_STRIDE = 2
 
 assert WAITS + MAX_WAITS * WAIT_STRIDE <= NUM_SIGNALS
-assert OPERANDS + MAX_OPERANDS * OPERAND_STRIDE <= PREFETCH
-assert PREFETCH + MAX_PREFETCH * PREFETCH_STRIDE <= END <= WORDS
+assert OPERANDS + MAX_OPERANDS * OPERAND_STRIDE <= STREAM
+assert STREAM_RUNS + MAX_RUNS * RUN_STRIDE <= END <= WORDS
 
 
 def layout_constants() -> dict[str, int]:
     """Every layout constant by name, for code generation and ABI checks."""
     return {k: v for k, v in globals().items() if k.isupper() and isinstance(v, int)}
+
+
+def decode_waits(rec) -> list[tuple[int, int, int]]:
+    """The (counter, count per step, previous step 0/1) waits of one record."""
+    n = int(rec[NUM_WAITS])
+    return [tuple(int(x) for x in rec[WAITS + WAIT_STRIDE * w: WAITS + WAIT_STRIDE * (w + 1)])
+            for w in range(n)]  # type: ignore[misc]
+
+
+def decode_signals(rec) -> list[int]:
+    return [int(rec[SIGNALS + j]) for j in range(int(rec[NUM_SIGNALS]))]
+
+
+def wait_target(count: int, prev: int, step: int) -> int:
+    """The counter value a wait needs in global step `step` (counters are monotonic: each step
+    adds `count`; a previous-step wait needs one step less)."""
+    return (step + 1 - prev) * count
 
 
 def split64(value: int) -> tuple[int, int]:

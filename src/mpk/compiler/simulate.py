@@ -32,8 +32,7 @@ def check_deadlock_free(instrs: np.ndarray, lengths: np.ndarray, num_counters: i
             if missing is not None:
                 blocked.setdefault(missing, []).append(sm)
                 break
-            for s in range(rec[record.NUM_SIGNALS]):
-                c = int(rec[record.SIGNALS + s])
+            for c in record.decode_signals(rec):
                 value[c] += 1
                 queue.extend(blocked.pop(c, []))
             pos[sm] += 1
@@ -47,8 +46,7 @@ def check_deadlock_free(instrs: np.ndarray, lengths: np.ndarray, num_counters: i
 
 
 def _unmet_wait(rec: np.ndarray, step: int, value: np.ndarray) -> int | None:
-    for w in range(rec[record.NUM_WAITS]):
-        c, count, prev = (int(x) for x in rec[record.WAITS + 3 * w: record.WAITS + 3 * w + 3])
-        if value[c] < (step + 1 - prev) * count:
+    for c, count, prev in record.decode_waits(rec):
+        if value[c] < record.wait_target(count, prev, step):
             return c
     return None

@@ -73,7 +73,7 @@ class Graph:
             raise GraphError(f"layer '{name}' ({kind}): unknown attribute(s) {sorted(unknown)}; "
                              f"allowed: {sorted(task.attrs)}")
         view = OpView(name, kind, grid3, tensors, full, merged)
-        _check_splits(view)
+        _check_splits(view, task)
         task.check(view)
         _check_partition(view, task)
         _check_no_overlap_between_tasks(view, task)
@@ -127,8 +127,9 @@ def _split3(name: str, operand: str, split: Any) -> Split:
     return s  # type: ignore[return-value]
 
 
-def _check_splits(view: OpView) -> None:
+def _check_splits(view: OpView, task: Any) -> None:
     for operand, split in view.splits.items():
+        align = task.split_align(view, operand)
         tensor = view.tensors[operand]
         dims = [d for d in split if d is not None]
         if len(dims) != len(set(dims)):
@@ -139,7 +140,13 @@ def _check_splits(view: OpView) -> None:
             if dim >= len(tensor.shape):
                 raise view.error(f"operand {operand!r}: tensor '{tensor.name}' has "
                                  f"{len(tensor.shape)} dims, cannot split dim {dim}")
-            if tensor.shape[dim] % view.grid[axis]:
+            if align is not None:
+                if -(-tensor.shape[dim] // align) < view.grid[axis]:
+                    raise view.error(f"grid axis {axis} ({view.grid[axis]} tasks) is larger than "
+                                     f"the {-(-tensor.shape[dim] // align)} pieces of {align} "
+                                     f"that dim {dim} (size {tensor.shape[dim]}) of tensor "
+                                     f"'{tensor.name}' (operand {operand!r}) can be cut into")
+            elif tensor.shape[dim] % view.grid[axis]:
                 raise view.error(f"grid axis {axis} ({view.grid[axis]} tasks) does not divide "
                                  f"dim {dim} (size {tensor.shape[dim]}) of tensor "
                                  f"'{tensor.name}' (operand {operand!r})")
@@ -148,7 +155,8 @@ def _check_splits(view: OpView) -> None:
 def _check_partition(view: OpView, task: Any) -> None:
     """Tasks of one op must write disjoint regions: every grid axis of size > 1 splits each output."""
     for spec in task.operands:
-        if not spec.access.writes or spec.name not in view.tensors:
+        if not spec.access.writes or spec.name not in view.tensors \
+                or spec.name in task.disjoint_writes:
             continue
         split = view.splits[spec.name]
         for axis in range(3):
@@ -169,7 +177,7 @@ def _check_no_overlap_between_tasks(view: OpView, task: Any) -> None:
             continue
         boxes = {o: np.array([task.region(view, o, p) for p in points]) for o in operands}
         for a in operands:
-            if not task.operand(a).access.writes:
+            if not task.operand(a).access.writes or a in task.disjoint_writes:
                 continue
             for b in operands:
                 hit = boxes_overlap(boxes[b], boxes[a])

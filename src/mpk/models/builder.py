@@ -1,8 +1,11 @@
 """Model builder: ModelConfig -> Graph of one decode step (Qwen3 and Llama 3 share it).
 
-The graph is written unfused and readable (rmsnorm, linear, silu_mul ...); the compiler fuses
-norms and silu*mul into the linears. Tile grids are chosen here from the SM count so that each
-weight-streaming op spreads evenly over the GPU.
+The graph is written op by op (rmsnorm, linear, attention ...); the compiler fuses each rmsnorm
+into the prologue of the linears that read it. Epilogues are part of the linear op: gate_up
+ends in silu*mul, lm_head in a per-task argmax, o_proj and down add the residual; attention
+prepares q and k (norms, RoPE) and appends to the KV cache itself. So a layer runs in five
+dependent phases: qkv, attention, o_proj, gate_up, down. Each linear is cut into one task per
+SM (contiguous row ranges, linear/geometry.py).
 
 Weights use graph names; `graph_weights` turns Hugging Face tensors into them (fused QKV grouped
 per KV head, stacked gate/up, the RoPE table).
@@ -24,6 +27,7 @@ from mpk.errors import UnsupportedError
 from mpk.graph.graph import Graph
 from mpk.models.config import ModelConfig
 from mpk.models.rope import rope_table
+from mpk.tasks.linear.task import MAX_BATCH
 from mpk.tensors import Role
 
 if TYPE_CHECKING:  # models/ stays below parallel/: the builder only calls tp's methods
@@ -44,8 +48,9 @@ class DecodeShape:
     num_pages: int = 64  # per layer, shared by all rows
 
     def __post_init__(self) -> None:
-        if not 1 <= self.batch <= 8:
-            raise UnsupportedError(f"batch {self.batch}: MPK decodes 1 to 8 rows per step")
+        if not 1 <= self.batch <= MAX_BATCH:
+            raise UnsupportedError(f"batch {self.batch}: MPK decodes 1 to {MAX_BATCH} rows per "
+                                   f"step")
         if min(self.steps_per_launch, self.page_size, self.max_pages, self.num_pages) <= 0:
             raise UnsupportedError(f"invalid decode shape {self}")
 
@@ -55,8 +60,9 @@ class DecodeShape:
 
 
 def choose_split(rows: int, target_tasks: int, multiple: int = 8) -> int:
-    """How many tiles to cut `rows` into: tiles of a multiple of `multiple` rows, the tile count
-    filling `target_tasks` slots as evenly as possible (ties: fewer, larger tiles)."""
+    """How many EQUAL tiles to cut `rows` into: tiles of a multiple of `multiple` rows, the tile
+    count filling `target_tasks` slots as evenly as possible (ties: fewer, larger tiles). For
+    kinds that need equal tiles (the embedding, the tensor-parallel all-reduce)."""
     target_tasks = max(1, target_tasks)
     best, best_score = 1, -1.0
     for d in range(1, rows + 1):
@@ -67,6 +73,12 @@ def choose_split(rows: int, target_tasks: int, multiple: int = 8) -> int:
         if score > best_score + 1e-9:
             best, best_score = d, score
     return best
+
+
+def spread(outputs: int, num_sms: int, align: int = 8) -> int:
+    """Tasks for a linear over `outputs` rows: one per SM, fewer when there are fewer than
+    num_sms pieces of `align` rows (the linear kind cuts uneven aligned ranges)."""
+    return max(1, min(num_sms, -(-outputs // align)))
 
 
 def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = 132,
@@ -89,22 +101,28 @@ def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = 132,
     for layer in layers:
         _attention_block(g, cfg, shape, num_sms, layer, tp)
         _mlp_block(g, cfg, shape, num_sms, layer, tp)
+    _lm_head(g, cfg, shape, num_sms)
+    return g
+
+
+def _lm_head(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int) -> None:
+    """Final norm (fused into lm_head's prologue by the compiler), lm_head with the argmax of
+    each task's slice in its epilogue, and the reduction to one token per row."""
+    b, h = shape.batch, cfg.hidden_size
     g.add_tensor("final_norm", (h,), BF16, Role.WEIGHT)
     g.add_tensor("lm_head", (cfg.vocab_size, h), BF16, Role.WEIGHT)
     g.add_tensor("final_hidden", (b, h), BF16, Role.ACTIVATION)
     g.add_tensor("logits", (b, cfg.vocab_size), F32, Role.ACTIVATION)
     g.add_op("rmsnorm", "final_norm", (1,), {"x": "hidden", "weight": "final_norm",
                                              "out": "final_hidden"}, eps=cfg.rms_eps)
-    vocab_tiles = choose_split(cfg.vocab_size, num_sms)
-    g.add_op("linear", "lm_head", (vocab_tiles,), {"x": "final_hidden", "weight": "lm_head",
-                                                   "out": "logits"})
-    g.add_tensor("argmax_val", (b, vocab_tiles), F32, Role.ACTIVATION)
-    g.add_tensor("argmax_idx", (b, vocab_tiles), I32, Role.ACTIVATION)
-    g.add_op("argmax_partial", "argmax", (vocab_tiles,),
-             {"logits": "logits", "part_val": "argmax_val", "part_idx": "argmax_idx"})
+    tiles = spread(cfg.vocab_size, num_sms)
+    g.add_tensor("argmax_val", (b, tiles), F32, Role.ACTIVATION)
+    g.add_tensor("argmax_idx", (b, tiles), I32, Role.ACTIVATION)
+    g.add_op("linear", "lm_head", (tiles,), {"x": "final_hidden", "weight": "lm_head",
+                                             "out": "logits", "part_val": "argmax_val",
+                                             "part_idx": "argmax_idx"}, epilogue="argmax")
     g.add_op("argmax_reduce", "sample", (1,), {"part_val": "argmax_val", "part_idx": "argmax_idx",
                                                "tokens": "tokens", "tokens_out": "tokens_out"})
-    return g
 
 
 def _attention_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int,
@@ -114,51 +132,47 @@ def _attention_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: in
     # This rank's KV heads (all of them without tp); their query heads come along (GQA groups).
     kvh = cfg.num_kv_heads if tp is None else tp.local_kv_heads(cfg)
     group = cfg.group
-    width = (group + 2) * d
+    width = kvh * (group + 2) * d
     g.add_tensor(p + "input_norm", (h,), BF16, Role.WEIGHT)
-    g.add_tensor(p + "qkv_weight", (kvh, width, h), BF16, Role.WEIGHT)
+    g.add_tensor(p + "qkv_weight", (width, h), BF16, Role.WEIGHT)
     g.add_tensor(p + "o_weight", (h, kvh * group * d), BF16, Role.WEIGHT)
     cache = (shape.num_pages, shape.page_size, kvh, d)
     g.add_tensor(f"k_cache.{layer}", cache, BF16, Role.IO)
     g.add_tensor(f"v_cache.{layer}", cache, BF16, Role.IO)
-    for name, shp in (("x_norm", (b, h)), ("qkv", (b, kvh, width)), ("q", (b, kvh, group * d)),
-                      ("attn", (b, kvh, group * d))):
-        g.add_tensor(p + name, shp, BF16, Role.ACTIVATION)
+    g.add_tensor(p + "x_norm", (b, h), BF16, Role.ACTIVATION)
+    g.add_tensor(p + "qkv", (b, width), BF16, Role.ACTIVATION)
+    g.add_tensor(p + "attn", (b, kvh * group * d), BF16, Role.ACTIVATION)
     g.add_op("rmsnorm", p + "input_norm", (1,), {"x": "hidden", "weight": p + "input_norm",
                                                  "out": p + "x_norm"}, eps=cfg.rms_eps)
-    n_tiles = choose_split(width, max(1, num_sms // kvh))
-    g.add_op("linear", p + "qkv", (kvh, n_tiles), {"x": p + "x_norm", "weight": p + "qkv_weight",
-                                                   "out": p + "qkv"})
-    rope_ops = {"qkv": p + "qkv", "rope": "rope", "positions": "positions",
-                "page_table": "page_table", "q_out": p + "q",
-                "k_cache": f"k_cache.{layer}", "v_cache": f"v_cache.{layer}"}
-    if cfg.qk_norm:
-        g.add_tensor(p + "q_norm", (d,), BF16, Role.WEIGHT)
-        g.add_tensor(p + "k_norm", (d,), BF16, Role.WEIGHT)
-        rope_ops.update(q_norm=p + "q_norm", k_norm=p + "k_norm")
-    g.add_op("qk_rope_append", p + "rope", (kvh,), rope_ops, eps=cfg.rms_eps)
-    _attention(g, shape, num_sms, p, layer, kvh, group, d)
-    o_tiles = choose_split(h, num_sms)
-    _row_linear(g, shape, cfg, tp, p + "o_proj", p + "attn", p + "o_weight", o_tiles,
+    g.add_op("linear", p + "qkv", (spread(width, num_sms),),
+             {"x": p + "x_norm", "weight": p + "qkv_weight", "out": p + "qkv"})
+    _attention(g, cfg, shape, num_sms, p, layer, kvh)
+    _row_linear(g, shape, cfg, tp, num_sms, p + "o_proj", p + "attn", p + "o_weight",
                 p + "attn_partial", p + "attn_allreduce")
 
 
-def _attention(g: Graph, shape: DecodeShape, num_sms: int, p: str, layer: int, kvh: int,
-               group: int, d: int) -> None:
-    b = shape.batch
+def _attention(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int, p: str,
+               layer: int, kvh: int) -> None:
+    b, group, d = shape.batch, cfg.group, cfg.head_dim
     # Split the KV range only when contexts can be long: each split adds a merge phase, which
     # costs more than it saves below a few hundred positions per (row, KV head).
     splits = max(1, min(16, num_sms // (kvh * b), shape.max_pages,
                         -(-shape.max_seq_len // SPLIT_POSITIONS)))
-    ops = {"q": p + "q", "k_cache": f"k_cache.{layer}", "v_cache": f"v_cache.{layer}",
-           "page_table": "page_table", "positions": "positions"}
+    ops = {"qkv": p + "qkv", "rope": "rope", "positions": "positions",
+           "page_table": "page_table", "k_cache": f"k_cache.{layer}",
+           "v_cache": f"v_cache.{layer}"}
+    if cfg.qk_norm:
+        g.add_tensor(p + "q_norm", (d,), BF16, Role.WEIGHT)
+        g.add_tensor(p + "k_norm", (d,), BF16, Role.WEIGHT)
+        ops.update(q_norm=p + "q_norm", k_norm=p + "k_norm")
     if splits == 1:
-        g.add_op("attention", p + "attention", (kvh, b, 1), {**ops, "out": p + "attn"})
+        g.add_op("attention", p + "attention", (kvh, b, 1), {**ops, "out": p + "attn"},
+                 eps=cfg.rms_eps)
         return
     g.add_tensor(p + "part_o", (b, kvh, splits, group * d), F32, Role.ACTIVATION)
     g.add_tensor(p + "part_lse", (b, kvh, splits, group), F32, Role.ACTIVATION)
     g.add_op("attention", p + "attention", (kvh, b, splits),
-             {**ops, "part_o": p + "part_o", "part_lse": p + "part_lse"})
+             {**ops, "part_o": p + "part_o", "part_lse": p + "part_lse"}, eps=cfg.rms_eps)
     g.add_op("attention_merge", p + "attn_merge", (kvh, b, 1),
              {"part_o": p + "part_o", "part_lse": p + "part_lse", "out": p + "attn"})
 
@@ -172,32 +186,32 @@ def _mlp_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int, lay
     g.add_tensor(p + "gate_up_weight", (2, inter, h), BF16, Role.WEIGHT)
     g.add_tensor(p + "down_weight", (h, inter), BF16, Role.WEIGHT)
     g.add_tensor(p + "mlp_norm", (b, h), BF16, Role.ACTIVATION)
-    g.add_tensor(p + "gate_up", (b, 2, inter), BF16, Role.ACTIVATION)
     g.add_tensor(p + "act", (b, inter), BF16, Role.ACTIVATION)
     g.add_op("rmsnorm", p + "post_norm", (1,), {"x": "hidden", "weight": p + "post_norm",
                                                 "out": p + "mlp_norm"}, eps=cfg.rms_eps)
-    n_tiles = choose_split(inter, max(1, num_sms // 2))
-    g.add_op("linear", p + "gate_up", (2, n_tiles),
-             {"x": p + "mlp_norm", "weight": p + "gate_up_weight", "out": p + "gate_up"})
-    g.add_op("silu_mul", p + "silu_mul", (choose_split(inter, max(1, num_sms // 4), 64),),
-             {"x": p + "gate_up", "out": p + "act"})
-    _row_linear(g, shape, cfg, tp, p + "down", p + "act", p + "down_weight",
-                choose_split(h, num_sms), p + "mlp_partial", p + "mlp_allreduce")
+    g.add_op("linear", p + "gate_up", (spread(inter, num_sms, 4),),
+             {"x": p + "mlp_norm", "weight": p + "gate_up_weight", "out": p + "act"},
+             epilogue="silu_mul")
+    _row_linear(g, shape, cfg, tp, num_sms, p + "down", p + "act", p + "down_weight",
+                p + "mlp_partial", p + "mlp_allreduce")
 
 
 def _row_linear(g: Graph, shape: DecodeShape, cfg: ModelConfig, tp: TensorParallel | None,
-                name: str, x: str, weight: str, tiles: int, partial: str, reduce: str) -> None:
+                num_sms: int, name: str, x: str, weight: str, partial: str, reduce: str) -> None:
     """hidden += x @ weight^T: in place on one GPU; with tp, this rank's K slice writes an f32
     partial and `allreduce` adds the sum of all ranks' partials (and the residual, once)."""
+    h = cfg.hidden_size
     if tp is None:
-        g.add_op("linear", name, (tiles,), {"x": x, "weight": weight, "residual": "hidden",
-                                            "out": "hidden"})
+        g.add_op("linear", name, (spread(h, num_sms),),
+                 {"x": x, "weight": weight, "residual": "hidden", "out": "hidden"})
         return
     # f32, unrounded: the ranks' partials must sum to the full fp32 product, which allreduce then
     # rounds once, as the single-rank linear does (bf16 partials would round G times).
-    g.add_tensor(partial, (shape.batch, cfg.hidden_size), F32, Role.ACTIVATION)
+    # Equal tiles, the same for the linear and the all-reduce: allreduce tile i waits on producer
+    # tile i of every rank.
+    tiles = choose_split(h, num_sms)
+    g.add_tensor(partial, (shape.batch, h), F32, Role.ACTIVATION)
     g.add_op("linear", name, (tiles,), {"x": x, "weight": weight, "out": partial})
-    # The same H tiles as the linear: allreduce tile i waits on producer tile i of every rank.
     g.add_op("allreduce", reduce, (tiles,), {"partial": partial, "residual": "hidden",
                                              "out": "hidden"}, ranks=tp.size)
 
@@ -218,7 +232,7 @@ def graph_weights(cfg: ModelConfig, hf: dict[str, torch.Tensor], max_pos: int,
         q = hf[src + "self_attn.q_proj.weight"].reshape(kvh, group, d, h)
         k = hf[src + "self_attn.k_proj.weight"].reshape(kvh, 1, d, h)
         v = hf[src + "self_attn.v_proj.weight"].reshape(kvh, 1, d, h)
-        out[dst + "qkv_weight"] = torch.cat([q, k, v], dim=1).reshape(kvh, (group + 2) * d, h)
+        out[dst + "qkv_weight"] = torch.cat([q, k, v], dim=1).reshape(kvh * (group + 2) * d, h)
         out[dst + "o_weight"] = hf[src + "self_attn.o_proj.weight"]
         out[dst + "input_norm"] = hf[src + "input_layernorm.weight"]
         out[dst + "post_norm"] = hf[src + "post_attention_layernorm.weight"]

@@ -1,7 +1,7 @@
 """TensorParallel: which slice of a model one rank of G owns, and how graph tensors are sharded.
 
 Megatron-style sharding of a decoder layer over the G GPUs of one host:
-  column parallel  qkv_weight [KVH, (group+2)*D, H]  -> KV heads [r*KVH/G, (r+1)*KVH/G) with
+  column parallel  qkv_weight [KVH*(group+2)*D, H]  -> KV heads [r*KVH/G, (r+1)*KVH/G) with
                    their query heads (the fused QKV is grouped per KV head, so this is one cut);
                    gate_up_weight [2, I, H]           -> intermediate columns [r*I/G, (r+1)*I/G)
   row parallel     o_weight [H, NH*D]                 -> the K columns of this rank's query heads

@@ -20,6 +20,9 @@ from mpk.errors import GraphError
 from mpk.tensors import TensorSpec
 
 Split = tuple[int | None, int | None, int | None]
+
+# The CUDA runtime's shared-memory page: the most bytes of a weight stream one page holds.
+PAGE_BYTES = 16 * 1024
 Box = tuple[tuple[int, int], ...]
 
 
@@ -62,6 +65,21 @@ class TaskCost:
     weight_bytes: int
     act_bytes: int
     flops: int
+
+
+@dataclass(frozen=True)
+class StreamLayout:
+    """A kind's GPU weight stream for one op: the bytes its tasks read from shared-memory pages
+    that the runtime's loader fills ahead of time (weights never depend on activations).
+
+    The stream is one device buffer built at bind time from `sources` (weight operands) by the
+    kind's `build_stream`; task t's part starts at byte `offsets[t]` and is cut into pages as
+    `runs[t]` says: (page count, bytes per page) pairs, in order (record.STREAM_RUNS)."""
+
+    sources: tuple[str, ...]
+    offsets: tuple[int, ...]
+    runs: tuple[tuple[tuple[int, int], ...], ...]
+    total_bytes: int
 
 
 @dataclass(frozen=True)
@@ -162,6 +180,10 @@ class TaskKind:
     # True when the kind's CUDA code reads the launch's Params (TaskArgs::p), e.g. the global
     # step or the tensor-parallel peers; megakernels without such a kind compile without it.
     reads_launch_params: ClassVar[bool] = False
+    # Written operands whose tasks' writes are disjoint at run time although their boxes overlap
+    # (data-dependent addresses, e.g. KV-cache appends through page tables); the kind's
+    # docstring says why. Exempt from the graph's no-overlap check between tasks of one op.
+    disjoint_writes: ClassVar[tuple[str, ...]] = ()
 
     def check(self, op: OpView) -> None:
         """Raise GraphError (via op.error) when shapes, dtypes, splits or attrs are wrong."""
@@ -184,7 +206,36 @@ class TaskKind:
 
     def region(self, op: OpView, operand: str, point: tuple[int, int, int]) -> Box:
         """The part of `operand` one task touches. Default: the tile its split gives."""
-        return split_box(op, operand, point)
+        return split_box(op, operand, point, self.split_align(op, operand))
+
+    def split_align(self, op: OpView, operand: str) -> int | None:
+        """None: the grid must cut `operand` into equal tiles. An int a: tiles may differ, each
+        starting at a multiple of a (see split_bounds); the kind's kernel computes the same
+        bounds from its grid point."""
+        return None
+
+    # ---- the CUDA runtime -----------------------------------------------------------------
+    def scratch_bytes(self, op: OpView) -> int:
+        """Shared memory one task of this op needs (TaskArgs::smem); the plan's largest sets the
+        runtime's scratch size, and the rest of shared memory becomes weight pages."""
+        return 16 * 1024
+
+    # Compile-time constants the kind's CUDA code reads (name -> default); a plan's ops may raise
+    # them (cuda_constants), the build takes the largest value over the plan's ops.
+    cuda_defaults: ClassVar[Mapping[str, int]] = {}
+
+    def cuda_constants(self, op: OpView) -> dict[str, int]:
+        """Values of cuda_defaults this op needs (e.g. a register-array size)."""
+        return {}
+
+    def stream_layout(self, op: OpView) -> StreamLayout | None:
+        """The op's weight stream, or None when its tasks read weights from global memory."""
+        return None
+
+    def build_stream(self, op: OpView, sources: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The stream's bytes (any dtype, contiguous, 16-byte multiples per page) from the bound
+        source tensors, on their device; called once per binding by the CUDA executor."""
+        raise NotImplementedError
 
     # ---- helpers shared by all kinds -------------------------------------------------------
     def operand(self, name: str) -> OperandSpec:
@@ -202,14 +253,31 @@ class TaskKind:
                 for p in self.params]
 
 
-def split_box(op: OpView, operand: str, point: tuple[int, int, int]) -> Box:
+def split_box(op: OpView, operand: str, point: tuple[int, int, int],
+              align: int | None = None) -> Box:
+    """The tile of `operand` at grid point `point`: equal tiles, or with `align` the uneven
+    tiles of split_bounds."""
     shape = op.shape(operand)
     box = [(0, d) for d in shape]
     for axis, dim in enumerate(op.splits[operand]):
-        if dim is not None:
+        if dim is None:
+            continue
+        if align is None:
             size = shape[dim] // op.grid[axis]
             box[dim] = (point[axis] * size, (point[axis] + 1) * size)
+        else:
+            box[dim] = split_bounds(shape[dim], op.grid[axis], align, point[axis])
     return tuple(box)
+
+
+def split_bounds(size: int, parts: int, align: int, index: int) -> tuple[int, int]:
+    """[lo, hi) of part `index` when `size` items are cut into `parts` contiguous ranges that
+    start at multiples of `align` and differ by at most `align` items (the last may be short).
+    Kernels that accept uneven splits compute the same (tasks/common/split.cuh)."""
+    units = -(-size // align)
+    lo = min(size, align * (index * units // parts))
+    hi = min(size, align * ((index + 1) * units // parts))
+    return lo, hi
 
 
 def float_bits(value: float) -> int:

@@ -28,14 +28,13 @@ class Counters:
         self.value = np.zeros(num_counters, dtype=np.int64)
 
     def unmet(self, rec: np.ndarray, gstep: int) -> int | None:
-        for w in range(rec[record.NUM_WAITS]):
-            c, count, prev = (int(x) for x in rec[record.WAITS + 3 * w: record.WAITS + 3 * w + 3])
-            if self.value[c] < (gstep + 1 - prev) * count:
+        for c, count, prev in record.decode_waits(rec):
+            if self.value[c] < record.wait_target(count, prev, gstep):
                 return c
         return None
 
     def signal(self, rec: np.ndarray) -> list[int]:
-        out = [int(rec[record.SIGNALS + s]) for s in range(rec[record.NUM_SIGNALS])]
+        out = record.decode_signals(rec)
         for c in out:
             self.value[c] += 1
         return out

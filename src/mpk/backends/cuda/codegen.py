@@ -4,35 +4,42 @@ The template has five holes, all filled from data, never from hand-kept lists:
   OPTIONS    `#define MPK_PROFILE 1` in the profiling build (per-record timer stamps), else a
              comment: the macro is the only difference between the two builds; and
              `#define MPK_TASK_PARAMS 1` when a kind reads the launch's Params (TaskArgs::p);
-  CONSTANTS  record layout (record.layout_constants() as REC_<NAME>), runtime sizes, the error
-             buffer layout (ERROR_FIELDS below, shared with the executor) and the ABI version;
+  CONSTANTS  record layout (record.layout_constants() as REC_<NAME>), runtime sizes (the task
+             scratch and the page ring follow from Plan.scratch_bytes), the error buffer layout
+             (ERROR_FIELDS below, shared with the executor) and the ABI version;
   KINDS      for each kind of the plan (kind id = index in plan.kinds): its operand slots
              O_<OPERAND> and param indices P_<PARAM> in `namespace mpk::kinds::<kind>`, then
              `#include "<kind>/sm90.cuh"` (resolved against mpk/tasks);
   DISPATCH   `case <kind id>: mpk::kinds::<kind>::run(a); break;`;
   KIND_NAMES the kind-name table for profilers and error messages.
-The rendered source depends only on the plan's kinds (in order) and the profiling flag, not on
-its tables, so one build serves every plan that uses the same kinds.
+The rendered source depends only on the plan's kinds (in order), its scratch size and the
+profiling flag, not on its tables, so one build serves every plan that shares them.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from mpk.compiler import record
 from mpk.compiler.plan import Plan
-from mpk.errors import CompileError
+from mpk.errors import CompileError, UnsupportedError
+from mpk.tasks import base
 from mpk.tasks.registry import get_kind
 
 CSRC_DIR = Path(__file__).parent / "csrc"
 TEMPLATE = CSRC_DIR / "megakernel.cu.in"
 
 # Bump when Params, the error buffer or the exported host functions change meaning.
-ABI_VERSION = 3  # 2: Params.profile; 3: tensor-parallel peers
-NUM_THREADS = 256
-SMEM_BYTES = 200 * 1024  # dynamic shared memory per CTA, all of it handed to the running task
+ABI_VERSION = 4  # 2: Params.profile; 3: tensor-parallel peers; 4: warp roles, weight pages
+NUM_THREADS = 256  # consumer threads: what a task runs on (the runtime adds a producer warpgroup)
+RUNTIME_THREADS = NUM_THREADS + 128
+PAGE_BYTES = base.PAGE_BYTES
+MAX_PAGES = 12
+MIN_PAGES = 4
+SMEM_LIMIT = 227 * 1024  # shared memory one CTA may have on sm_90 (static + dynamic)
+STATIC_RESERVE = 8 * 1024  # the runtime's static shared memory (record ring, barriers), bounded
 ARCH_SUFFIX = "sm90"  # which <kind>/<arch>.cuh the kinds are included from
 
 # The error buffer (int32 words) the runtime fills when it stops: emitted as ERR_<NAME>.
@@ -74,13 +81,33 @@ _HOLE = re.compile(r"@@([A-Z_]+)@@")
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def constants_block() -> str:
+def num_pages(scratch_bytes: int) -> int:
+    """Weight pages the runtime keeps next to a task scratch of `scratch_bytes`."""
+    pages = min(MAX_PAGES, (SMEM_LIMIT - STATIC_RESERVE - scratch_bytes) // PAGE_BYTES)
+    if pages < MIN_PAGES:
+        raise UnsupportedError(
+            f"a task of this plan needs {scratch_bytes // 1024} KB of shared memory, which "
+            f"leaves room for only {max(pages, 0)} weight pages (the runtime needs "
+            f"{MIN_PAGES}); use a smaller batch")
+    return pages
+
+
+def dynamic_smem_bytes(scratch_bytes: int) -> int:
+    """The runtime's dynamic shared memory: the weight pages, then the task scratch."""
+    return num_pages(scratch_bytes) * PAGE_BYTES + scratch_bytes
+
+
+def constants_block(scratch_bytes: int = 16 * 1024) -> str:
     """C++ constants shared by the runtime and the tasks (`inline` so unused ones don't warn)."""
+    pages = num_pages(scratch_bytes)
     lines = [f"inline constexpr int REC_{name} = {value};"
              for name, value in sorted(record.layout_constants().items())]
     lines += [
         f"inline constexpr int NUM_THREADS = {NUM_THREADS};",
-        f"inline constexpr int SMEM_BYTES = {SMEM_BYTES};",
+        f"inline constexpr int SMEM_BYTES = {scratch_bytes};",
+        f"inline constexpr int PAGE_BYTES = {PAGE_BYTES};",
+        f"inline constexpr int NUM_PAGES = {pages};",
+        f"inline constexpr int DYN_SMEM_BYTES = {pages * PAGE_BYTES + scratch_bytes};",
         f"inline constexpr int PARAM_WORDS = {record.PARAM_WORDS};",
         f"inline constexpr int MPK_ABI_VERSION = {ABI_VERSION};",
         f"inline constexpr int ERR_WORDS = {ERROR_WORDS};",
@@ -100,9 +127,11 @@ def constants_block() -> str:
     return "\n".join(lines)
 
 
-def kind_block(kind_id: int, name: str) -> str:
-    """Namespace constants of one kind, then its device code."""
+def kind_block(kind_id: int, name: str, constants: Mapping[str, int] | None = None) -> str:
+    """The kind's compile-time constants (defaults raised by the plan), its namespace constants,
+    then its device code."""
     kind = get_kind(name)
+    constants = constants or {}
     if not _IDENT.match(name):
         raise CompileError(f"task kind {name!r} is not a C++ identifier")
     if len(kind.operands) > record.MAX_OPERANDS:
@@ -111,7 +140,9 @@ def kind_block(kind_id: int, name: str) -> str:
     if len(kind.params) > record.PARAM_WORDS:
         raise CompileError(f"task kind {name!r} has {len(kind.params)} params; op rows hold at "
                            f"most {record.PARAM_WORDS}")
-    lines = [f"namespace mpk::kinds::{name} {{", f"inline constexpr int KIND_ID = {kind_id};"]
+    lines = [f"inline constexpr int {key} = {constants.get(key, value)};"
+             for key, value in sorted(kind.cuda_defaults.items())]
+    lines += [f"namespace mpk::kinds::{name} {{", f"inline constexpr int KIND_ID = {kind_id};"]
     lines += [f"inline constexpr int O_{spec.name.upper()} = {slot};"
               for slot, spec in enumerate(kind.operands)]
     lines += [f"inline constexpr int P_{param.name.upper()} = {index};"
@@ -142,15 +173,17 @@ def options_block(profile: bool, kinds: Sequence[str] = ()) -> str:
     return "\n".join(lines)
 
 
-def render_kinds(kinds: Sequence[str], profile: bool = False) -> str:
+def render_kinds(kinds: Sequence[str], profile: bool = False, scratch_bytes: int = 16 * 1024,
+                 constants: Mapping[str, int] | None = None) -> str:
     """The megakernel source for a tuple of kind names (kind id = position); `profile` selects
-    the timestamped build."""
+    the timestamped build; `scratch_bytes` is the plan's task scratch (Plan.scratch_bytes) and
+    `constants` its kinds' compile-time constants (Plan.constants)."""
     if len(set(kinds)) != len(kinds):
         raise CompileError(f"duplicate kinds in {list(kinds)}")
     holes = {
         "OPTIONS": options_block(profile, kinds),
-        "CONSTANTS": constants_block(),
-        "KINDS": "\n\n".join(kind_block(i, name) for i, name in enumerate(kinds)),
+        "CONSTANTS": constants_block(scratch_bytes),
+        "KINDS": "\n\n".join(kind_block(i, name, constants) for i, name in enumerate(kinds)),
         "DISPATCH": dispatch_block(kinds),
         "KIND_NAMES": kind_names_block(kinds),
     }
@@ -162,8 +195,9 @@ def render_kinds(kinds: Sequence[str], profile: bool = False) -> str:
 
 
 def render(plan: Plan, profile: bool = False) -> str:
-    """The megakernel .cu source for `plan` (depends only on plan.kinds and `profile`)."""
-    return render_kinds(plan.kinds, profile)
+    """The megakernel .cu source for `plan` (depends only on plan.kinds, its scratch size and
+    `profile`)."""
+    return render_kinds(plan.kinds, profile, plan.scratch_bytes, dict(plan.constants))
 
 
 def missing_kernels(kinds: Sequence[str], extra_dirs: Sequence[Path] = ()) -> list[str]:

@@ -47,9 +47,9 @@ def stops(plan: Plan, sm_state: np.ndarray, step_begin: int) -> dict[int, Stop]:
         rec = plan.instrs[sm, index]
         counter, needed, target = -1, step, 0
         if wait >= 0:
-            c, count, prev = (int(x) for x in rec[record.WAITS + record.WAIT_STRIDE * wait:][:3])
+            c, count, prev = record.decode_waits(rec)[wait]
             counter, needed = c, step - prev
-            target = (step_begin + step + 1 - prev) * count
+            target = record.wait_target(count, prev, step_begin + step)
         out[sm] = Stop(sm, index, step, status, wait, int(rec[record.TASK]), counter, needed,
                        target)
     return out
@@ -61,7 +61,7 @@ def producers(plan: Plan, counter: int) -> list[tuple[int, int, int]]:
     for sm in range(plan.num_sms):
         for j in range(int(plan.lengths[sm])):
             rec = plan.instrs[sm, j]
-            if counter in rec[record.SIGNALS:record.SIGNALS + rec[record.NUM_SIGNALS]].tolist():
+            if counter in record.decode_signals(rec):
                 out.append((sm, j, int(rec[record.TASK])))
     return out
 

@@ -7,6 +7,9 @@ Device state (all torch allocations on the executor's device):
   error/abort the watchdog's report (codegen.ERROR_FIELDS) and the stop-everyone flag;
   instrs, lengths, op_params: uploaded once;
   pointer table int64 [num_tensors] of base addresses, rebuilt when a binding changes;
+  streams     each Plan.streams entry (the kind's build_stream over its op's bound weights),
+              rebuilt when a source is rebound (weights are read-only after bind: change one by
+              binding it again); in the pointer table after the plan's tensors;
   profile     (profile=True only) int64 [steps, num_sms, max_len, PROF_STAMPS] %globaltimer
               stamps, allocated per run (codegen.PROFILE_STAMPS; read with last_profile()).
 A Plan that is one rank of a tensor-parallel model (allreduce ops over G > 1 ranks) gets its
@@ -29,6 +32,8 @@ from mpk.dtypes import DType
 from mpk.errors import KernelHangError, MpkError, UnsupportedError
 
 from . import build, codegen, diagnose, peers
+from mpk.tasks.registry import get_kind
+
 from .loader import KernelInfo, Megakernel, Params
 
 BINDABLE_ROLES = ("weight", "io")
@@ -69,7 +74,8 @@ class CudaExecutor:
         if self.kernel_info.blocks_per_sm < 1:
             raise UnsupportedError(f"the megakernel does not fit on one SM "
                                    f"({self.kernel_info.registers} registers x "
-                                   f"{codegen.NUM_THREADS} threads, {codegen.SMEM_BYTES} + "
+                                   f"{codegen.RUNTIME_THREADS} threads, "
+                                   f"{codegen.dynamic_smem_bytes(plan.scratch_bytes)} + "
                                    f"{self.kernel_info.static_smem} bytes of shared memory)")
 
         dev = self.device
@@ -99,6 +105,7 @@ class CudaExecutor:
             if t.offset >= 0:
                 self._views[i] = self._arena_view(t)
         self._ptr_table: torch.Tensor | None = None
+        self._streams: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
         self._profile: tuple[torch.Tensor, int] | None = None  # last run: stamps, step_begin
         self._dead: str | None = None  # why the executor refuses to run again
         self.step = 0  # global step of the next run
@@ -221,10 +228,30 @@ class CudaExecutor:
                            f"misaligned or outside the arena ({self.plan.arena_bytes} bytes)")
         return self.arena[t.offset:t.offset + nbytes].view(dtype.torch).view(t.shape)
 
+    def _stream(self, op_index: int) -> torch.Tensor:
+        """The op's weight stream, built from its bound sources (cached per binding)."""
+        op = self.plan.ops[op_index]
+        view = self.plan.op_view(op_index)
+        kind = get_kind(op.kind)
+        layout = kind.stream_layout(view)
+        operands = dict(op.operands)
+        sources = {name: self._bound[operands[name]] for name in layout.sources}
+        key = tuple(id(t) for t in sources.values())
+        cached = self._streams.get(op_index)
+        if cached is None or cached[0] != key:
+            with torch.cuda.device(self.device), torch.no_grad():
+                stream = kind.build_stream(view, sources).contiguous()
+            if stream.numel() * stream.element_size() != layout.total_bytes:
+                raise AssertionError(f"{op.name}: stream of {stream.numel()} elements, the "
+                                     f"layout says {layout.total_bytes} bytes")
+            self._streams[op_index] = cached = (key, stream)
+        return cached[1]
+
     def _pointer_table(self) -> torch.Tensor:
         if self._ptr_table is None:
-            ptrs = [(self._bound.get(i) if i in self._bound else self._views[i]).data_ptr()
+            ptrs = [(self._bound[i] if i in self._bound else self._views[i]).data_ptr()
                     for i in range(len(self.plan.tensors))]
+            ptrs += [self._stream(s.op).data_ptr() for s in self.plan.streams]
             self._ptr_table = torch.tensor(ptrs or [0], dtype=torch.int64).to(self.device)
         return self._ptr_table
 

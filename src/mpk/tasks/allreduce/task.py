@@ -12,7 +12,7 @@ the sum IS the full fp32 dot product, only summed in another order (see docs/ten
 
 The peers' partials are not operands of this rank's Plan (they live in other ranks' memory), so
 the task reads them through `tile.extra["peers"]`: the same tile of `partial` in every rank's
-tensors, in rank order (mpk.parallel.cpu.MultiRankCpuExecutor provides them, after every rank's
+tensors, in rank order (mpk.testing.MultiRankCpuExecutor provides them, after every rank's
 producer of that tile has run this step; mpk.parallel.group gathers them across processes). With ranks=1 the own partial is the only peer, so a
 one-rank plan also runs on the plain CpuExecutor.
 
@@ -82,7 +82,7 @@ class AllReduce(TaskKind):
         if peers is None:
             if ranks != 1:
                 raise MpkError(f"layer '{tile.op.name}' (allreduce) sums {ranks} ranks' partials; "
-                               f"run the rank plans with mpk.parallel.MultiRankCpuExecutor")
+                               f"run the rank plans with mpk.testing.MultiRankCpuExecutor")
             peers = [tile["partial"]]
         if len(peers) != ranks:
             raise MpkError(f"layer '{tile.op.name}' (allreduce): {len(peers)} peer partials for "

@@ -94,7 +94,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
       sval[warp] = best;
       sidx[warp] = bidx;
     }
-    __syncthreads();
+    mpk::task_sync();
     if (threadIdx.x < rows_at_once && r0 + threadIdx.x < B) {
       const int rb = r0 + threadIdx.x;
       float v = sval[threadIdx.x * wpr];
@@ -111,7 +111,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
       pval[(long long)rb * T] = v;
       pidx[(long long)rb * T] = base_idx + i;
     }
-    __syncthreads();
+    mpk::task_sync();
   }
 }
 

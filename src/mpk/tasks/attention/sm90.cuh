@@ -1,33 +1,32 @@
-// attention, sm_90a: decode attention of one KV-head tile, batch row(s) and KV split.
+// attention, sm_90a: q/k RMSNorm + RoPE + KV append + decode attention of one KV-head tile,
+// batch row(s) and KV split (semantics in task.py).
 //
-// Layouts (default splits; grid = (KV-head tiles, B, S)):
-//   q / out tile pointer = q[b0, h0, 0]: element (bb, hh, g, d) at + (bb*KVH + hh)*G*D + g*D + d
+// Layouts (default splits; grid = (KV-head tiles, B, S)), W = (G+2)*D:
+//   qkv tile = qkv[b0, h0*W]: row bb, head hh, vector j at + (bb*KVH + hh)*W + j*D
 //   k_cache / v_cache tile = cache[0, 0, h0, 0]: (page, slot, hh, d) at
 //                            + ((page*page_size + slot)*KVH + hh)*D + d
 //   page_table tile = page_table[b0, 0] (row stride max_pages), positions tile = positions + b0
+//   out tile = out[b0, h0*G*D]: (bb, hh, g, d) at + (bb*KVH + hh)*G*D + g*D + d
 //   part_o tile = part_o[b0, h0, s, 0]: (bb, hh, g, d) at + (bb*KVH + hh)*S*G*D + g*D + d
 //   part_lse tile = part_lse[b0, h0, s, 0]: (bb, hh, g) at + (bb*KVH + hh)*S*G + g
-//   split s = grid point axis 2. KV heads per task = heads_per_task; batch rows per task =
-//   batch_per_task when task.py declares it, else 1 (grid axis 1 = B).
-// Semantics: row b attends to positions [lo, hi) of L = positions[b] + step + 1, chunk =
-// ceil(L / S), lo = s*chunk, hi = min(L, lo + chunk); one split writes bf16 out, several write
-// normalised fp32 partials + natural-log lse (-inf and zeros when the range is empty).
-// Defensive: positions whose page index is past max_pages, or whose page id is negative or
-// >= num_pages, are masked out.
-// head_dim 64 or 128 (other values are not supported and write nothing); any group size
-// (processed 8 query heads at a time).
 //
-// Design: tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate) for both products.
-//   S^T[16 pos][8 heads] = K[16 pos][D] . q^T: a lane's 16-byte K loads (positions r, r+8; 8
-//     consecutive d) are its A fragments as is (d order is free in a dot product), q^T comes
-//     from smem once per task.
-//   Online softmax per warp in the exp2 domain on the C fragment (a lane holds heads 2t, 2t+1 for
-//     positions r and r+8; row max over the block by 3 xor-shuffles).
+// Phase 1 (prepare): one warp per head vector of the row (G queries, the key, the value); lane
+// holds d = lane + 32i. RMSNorm with a warp sum, RoPE with the partner element through a per-warp
+// buffer, rounding as the reference. Queries go to shared memory (bf16); the split covering
+// position p writes the key and value to the cache AND to shared memory: phase 2 reads position
+// p from shared memory, never back from global (a global write and an L2 read by other threads
+// of this CTA are not ordered by the barrier between them).
+// Phase 2 (attend), tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate):
+//   S^T[16 pos][8 heads] = K[16 pos][D] . q^T: a lane's K loads (positions r, r+8; d 8t..8t+7
+//     of each 32-d chunk, d 4t..4t+3 of a 16-d tail) are its A fragments as is (d order is free
+//     in a dot product); q^T comes from shared memory once per pass.
+//   Online softmax per warp in the exp2 domain on the C fragment.
 //   O^T[D][8 heads] += V^T[D][16 pos] . P^T: lane loads V rows of positions 2t, 2t+1, 2t+8, 2t+9
-//     (8 consecutive d each) and builds A fragments with byte permutes; P goes through a 512-byte
-//     per-warp smem transpose, split into bf16 hi + lo parts (two MMAs) so that P keeps ~16 bits
-//     of precision (the reference multiplies fp32 probabilities).
+//     (d 4r..4r+3 of each 32-d group, 2r..2r+1 of a 16-d tail) and builds A fragments with byte
+//     permutes; P goes through a 512-byte per-warp transpose, split into bf16 hi + lo parts (two
+//     MMAs) so that P keeps ~16 bits (the reference multiplies fp32 probabilities).
 //   Warps take 16-position blocks round-robin; their (m, l, O) states merge in smem in warp order.
+// head_dim: any multiple of 16 up to 256 (task.py checks); DMAX = 128 or 256 sizes the registers.
 #pragma once
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -44,117 +43,187 @@ constexpr int kWarps = NUM_THREADS / 32;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegBig = -1e30f;  // finite "minus infinity" for running maxima (no inf - inf)
+constexpr int kMaxD = 256;
 
 struct Ctx {
-  int B, G, D, KVH, PS, MAXP, S, HT, BT, NP;
-  float scale2;  // scale * log2(e)
-  const bf16 *q, *kc, *vc;
+  int B, G, D, KVH, PS, MAXP, S, NP, MAXPOS;
+  bool norm;
+  float eps, scale2;  // scale2 = scale * log2(e)
+  const bf16 *qkv, *qn, *kn;
+  const float* rope;
   const int *pt, *pos;
-  bf16* out;
+  bf16 *kc, *vc, *out;
   float *po, *plse;
 };
 
-// Shared memory layout (per (row, head, head-group) pass):
-//   wo  [kWarps][8][D] f32 | wm [kWarps][8] f32 | wl [kWarps][8] f32 | ps [kWarps][2][8][16] bf16
-//   qs  [8][D] bf16 | pages [..] i32
-template <int D>
-struct Smem {
-  static constexpr int kWo = 0;
-  static constexpr int kWm = kWo + kWarps * 8 * D * 4;
-  static constexpr int kWl = kWm + kWarps * 8 * 4;
-  static constexpr int kPs = kWl + kWarps * 8 * 4;
-  static constexpr int kQs = kPs + kWarps * 2 * 8 * 16 * 2;
-  static constexpr int kPages = kQs + 8 * D * 2;
-  static constexpr int kMaxPages = (SMEM_BYTES - kPages) / 4;
+// Shared memory (one (row, head) at a time):
+//   wo [kWarps][8][D] f32 | wm, wl [kWarps][8] f32 | ps [kWarps][2][8][16] bf16 |
+//   qs [G][D] bf16 (prepared queries) | kn, vn [D] bf16 (this step's key and value) |
+//   buf [kWarps][D] f32 (RoPE partners) | pages [..] i32
+struct Layout {
+  int wo, wm, wl, ps, qs, knew, vnew, buf, pages, max_pages;
+  __device__ Layout(const Ctx& c) {
+    wo = 0;
+    wm = wo + kWarps * 8 * c.D * 4;
+    wl = wm + kWarps * 8 * 4;
+    ps = wl + kWarps * 8 * 4;
+    qs = ps + kWarps * 2 * 8 * 16 * 2;
+    knew = qs + ((c.G * c.D * 2 + 15) / 16) * 16;
+    vnew = knew + c.D * 2;
+    buf = vnew + c.D * 2;
+    pages = buf + kWarps * c.D * 4;
+    max_pages = (SMEM_BYTES - pages) / 4;
+  }
 };
 
-template <int D>
-__device__ __forceinline__ void one_pass(const Ctx& c, char* smem, int step, int bb, int hh,
-                                         int g0, int s) {
-  using SL = Smem<D>;
-  constexpr int KJ = D / 32;  // 32-d chunks of a K row per lane (two MMAs each)
-  constexpr int VC = D / 64;  // 64-d groups of a V row per lane
-  constexpr int MT = D / 16;  // m-tiles of O^T
+// ---- phase 1: prepare q, k, v of row bb, head hh ----------------------------------------------
+// Returns through smem; `writer` says whether this split appends position p to the cache.
+__device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* smem, int bb, int hh,
+                                        int p, bool writer, long long crow) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int W = c.G + 2, half = c.D / 2;
+  bf16* qs = reinterpret_cast<bf16*>(smem + L.qs);
+  bf16* knew = reinterpret_cast<bf16*>(smem + L.knew);
+  bf16* vnew = reinterpret_cast<bf16*>(smem + L.vnew);
+  float* buf = reinterpret_cast<float*>(smem + L.buf) + warp * c.D;
+  const bf16* row = c.qkv + ((long long)bb * c.KVH + hh) * W * c.D;
+  const float* rrow = c.rope + (long long)p * c.D;
+  for (int j = warp; j < W; j += kWarps) {
+    const bf16* src = row + (long long)j * c.D;
+    if (j == c.G + 1) {  // value: as is
+      for (int e = lane; e < c.D; e += 32) {
+        const bf16 v = __ushort_as_bfloat16(static_cast<unsigned short>(dev::ld_act_u16(src + e)));
+        vnew[e] = v;
+        if (writer && crow >= 0) c.vc[(crow + hh) * c.D + e] = v;
+      }
+      continue;
+    }
+    float v[kMaxD / 32], cs[kMaxD / 32], sn[kMaxD / 32], w[kMaxD / 32];
+#pragma unroll
+    for (int i = 0; i < kMaxD / 32; ++i) {
+      const int e = lane + 32 * i;
+      v[i] = cs[i] = sn[i] = 0.f;
+      w[i] = 1.f;
+      if (e < c.D) {
+        v[i] = dev::ld_act_bf16f(src + e);
+        const int r = e < half ? e : e - half;
+        cs[i] = dev::ld_act_f32(rrow + r);
+        sn[i] = dev::ld_act_f32(rrow + half + r);
+        if (c.norm) w[i] = dev::ld_weight_bf16f((j < c.G ? c.qn : c.kn) + e);
+      }
+    }
+    if (c.norm) {
+      float ss = 0.f;
+#pragma unroll
+      for (int i = 0; i < kMaxD / 32; ++i) ss = fmaf(v[i], v[i], ss);
+      const float inv = dev::rms_inv(dev::warp_sum(ss), c.D, c.eps);
+#pragma unroll
+      for (int i = 0; i < kMaxD / 32; ++i) v[i] = dev::rmsnorm_elem(v[i], inv, w[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < kMaxD / 32; ++i)
+      if (lane + 32 * i < c.D) buf[lane + 32 * i] = v[i];
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < kMaxD / 32; ++i) {
+      const int e = lane + 32 * i;
+      if (e >= c.D) continue;
+      const float o = e < half  // x1 * cos - x2 * sin | x2 * cos + x1 * sin
+                          ? __fsub_rn(__fmul_rn(v[i], cs[i]), __fmul_rn(buf[e + half], sn[i]))
+                          : __fadd_rn(__fmul_rn(v[i], cs[i]), __fmul_rn(buf[e - half], sn[i]));
+      const bf16 ob = dev::to_bf16(o);
+      if (j < c.G) {
+        qs[j * c.D + e] = ob;
+      } else {
+        knew[e] = ob;
+        if (writer && crow >= 0) c.kc[(crow + hh) * c.D + e] = ob;
+      }
+    }
+    __syncwarp();  // buf is rewritten by this warp's next head vector
+  }
+}
+
+// ---- phase 2: attention of 8 query heads over this split's positions -------------------------
+struct Range {
+  int lo, hi, newpos, p_first, staged;
+};
+
+template <int DMAX>
+__device__ __forceinline__ void attend(const Ctx& c, const Layout& L, char* smem, int bb, int hh,
+                                       int g0, int s, const Range& R) {
+  constexpr int KJ_MAX = DMAX / 32;  // 32-d chunks
+  constexpr int MT_MAX = DMAX / 16;  // m-tiles of O^T
+  const int D = c.D, KJ = D / 32;
+  const bool tail = (D & 31) != 0;  // a 16-d tail after the 32-d chunks
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int r = lane >> 2, t = lane & 3;
-  float* wo = reinterpret_cast<float*>(smem + SL::kWo);
-  float* wm = reinterpret_cast<float*>(smem + SL::kWm);
-  float* wl = reinterpret_cast<float*>(smem + SL::kWl);
-  bf16* ps = reinterpret_cast<bf16*>(smem + SL::kPs) + warp * 2 * 8 * 16;
-  bf16* qs = reinterpret_cast<bf16*>(smem + SL::kQs);
-  int* pages = reinterpret_cast<int*>(smem + SL::kPages);
+  float* wo = reinterpret_cast<float*>(smem + L.wo);
+  float* wm = reinterpret_cast<float*>(smem + L.wm);
+  float* wl = reinterpret_cast<float*>(smem + L.wl);
+  bf16* ps = reinterpret_cast<bf16*>(smem + L.ps) + warp * 2 * 8 * 16;
+  const bf16* qs = reinterpret_cast<const bf16*>(smem + L.qs);
+  const bf16* knew = reinterpret_cast<const bf16*>(smem + L.knew);
+  const bf16* vnew = reinterpret_cast<const bf16*>(smem + L.vnew);
+  const int* pages = reinterpret_cast<const int*>(smem + L.pages);
   const int ng = min(8, c.G - g0);
-
-  // ---- this split's position range (same arithmetic as the reference) ----
-  const int length = dev::ld_act_i32(c.pos + bb) + step + 1;
-  int lo = 0, hi = 0;
-  if (length > 0) {
-    const int chunk = (length + c.S - 1) / c.S;
-    lo = s * chunk;
-    hi = min(length, lo + chunk);
-    hi = min(hi, c.MAXP * c.PS);  // positions past the page table cannot be read
-  }
-  const int n = max(0, hi - lo);
-  const int p_first = n > 0 ? lo / c.PS : 0;
-  const int n_pages = n > 0 ? (hi - 1) / c.PS - p_first + 1 : 0;
-  const int staged = min(n_pages, SL::kMaxPages);
-
-  // ---- stage q (8 heads x D, bf16; heads >= ng zero) and the page-table slice ----
-  const bf16* qrow = c.q + ((long long)bb * c.KVH + hh) * c.G * D + (long long)g0 * D;
-  for (int idx = tid; idx < 8 * D / 8; idx += NUM_THREADS) {
-    const int g = idx / (D / 8), v = idx - g * (D / 8);
-    uint4 val = make_uint4(0u, 0u, 0u, 0u);
-    if (g < ng) val = dev::ld_act_v4(qrow + g * D + v * 8);
-    *reinterpret_cast<uint4*>(qs + g * D + v * 8) = val;
-  }
   const int* ptrow = c.pt + (long long)bb * c.MAXP;
-  for (int i = tid; i < staged; i += NUM_THREADS) pages[i] = dev::ld_act_i32(ptrow + p_first + i);
-  __syncthreads();
 
-  // q^T fragments (B operand of the score MMA): rows g = r, d = t*8 + 32j .. +8.
-  uint4 qf[KJ];
-#pragma unroll
-  for (int j = 0; j < KJ; ++j) qf[j] = dev::lds_v4(dev::smem_addr(qs + r * D + t * 8 + 32 * j));
+  // q^T fragments (B operand of the score MMA): head r, d = 32j + 8t .. +8, read from shared
+  // memory at each use (registers go to the K and V loads in flight). Heads past ng read head 0
+  // (their scores are discarded).
+  const bf16* qrow = qs + (g0 + (r < ng ? r : 0)) * D;
 
-  // Address of the head row of position p (or nullptr when masked).
-  auto row_of = [&](const bf16* cache, int p) -> const bf16* {
-    if (p >= hi) return nullptr;
-    const int pi = p / c.PS;
-    const int page = pi - p_first < staged ? pages[pi - p_first] : dev::ld_act_i32(ptrow + pi);
-    if (page < 0 || (c.NP >= 0 && page >= c.NP)) return nullptr;
-    return cache + (((long long)page * c.PS + (p - pi * c.PS)) * c.KVH + hh) * D;
+  // Row of position q (global or this step's shared copy), or nullptr when masked.
+  auto row_of = [&](const bf16* cache, const bf16* fresh, int q) -> const bf16* {
+    if (q >= R.hi || q < R.lo) return nullptr;
+    if (q == R.newpos) return fresh;
+    const int pi = q / c.PS;
+    const int page = pi - R.p_first < R.staged ? pages[pi - R.p_first] : dev::ld_act_i32(ptrow + pi);
+    if (page < 0 || page >= c.NP) return nullptr;
+    return cache + (((long long)page * c.PS + (q - pi * c.PS)) * c.KVH + hh) * D;
+  };
+  // 16 (8, 4) bytes of a row at element e: shared memory for this step's row, else L2.
+  auto ld16 = [&](const bf16* row, int e) -> uint4 {
+    if (row == nullptr) return make_uint4(0u, 0u, 0u, 0u);
+    if (row == knew || row == vnew) return *reinterpret_cast<const uint4*>(row + e);
+    return dev::ld_act_v4(row + e);
+  };
+  auto ld8 = [&](const bf16* row, int e) -> uint2 {
+    if (row == nullptr) return make_uint2(0u, 0u);
+    if (row == knew || row == vnew) return *reinterpret_cast<const uint2*>(row + e);
+    return dev::ld_act_v2(row + e);
+  };
+  auto ld4 = [&](const bf16* row, int e) -> uint32_t {
+    if (row == nullptr) return 0u;
+    if (row == knew || row == vnew) return *reinterpret_cast<const uint32_t*>(row + e);
+    return dev::ld_act_u32(row + e);
   };
 
   float m0 = kNegBig, m1 = kNegBig, l0 = 0.f, l1 = 0.f;  // heads 2t, 2t+1
-  float o[MT][4];
+  float o[MT_MAX][4], ot[4] = {0.f, 0.f, 0.f, 0.f};  // 32-d groups' m-tiles, the 16-d tail's
 #pragma unroll
-  for (int i = 0; i < MT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  for (int i = 0; i < MT_MAX; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
 
+  const int n = R.hi - R.lo;
   const int nblk = (n + 15) / 16;
   for (int bk = warp; bk < nblk; bk += kWarps) {
-    const int pb = lo + bk * 16;
-    // ---- loads: K rows r, r+8; V rows 2t, 2t+1, 2t+8, 2t+9 ----
-    const bf16* ka = row_of(c.kc, pb + r);
-    const bf16* kb = row_of(c.kc, pb + r + 8);
-    uint4 kA[KJ], kB[KJ], vv[4][VC];
-#pragma unroll
-    for (int j = 0; j < KJ; ++j) {
-      kA[j] = ka ? dev::ld_act_v4(ka + t * 8 + 32 * j) : make_uint4(0u, 0u, 0u, 0u);
-      kB[j] = kb ? dev::ld_act_v4(kb + t * 8 + 32 * j) : make_uint4(0u, 0u, 0u, 0u);
-    }
-#pragma unroll
-    for (int qd = 0; qd < 4; ++qd) {
-      const bf16* vr = row_of(c.vc, pb + 2 * t + (qd & 1) + 8 * (qd >> 1));
-#pragma unroll
-      for (int cc = 0; cc < VC; ++cc)
-        vv[qd][cc] = vr ? dev::ld_act_v4(vr + 64 * cc + 8 * r) : make_uint4(0u, 0u, 0u, 0u);
-    }
-    // ---- scores ----
+    const int pb = R.lo + bk * 16;
+    // ---- scores: K rows r, r+8 ----
+    const bf16* ka = row_of(c.kc, knew, pb + r);
+    const bf16* kb = row_of(c.kc, knew, pb + r + 8);
     float sc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int j = 0; j < KJ; ++j) {
-      dev::mma_bf16_16816(sc, kA[j].x, kB[j].x, kA[j].y, kB[j].y, qf[j].x, qf[j].y);
-      dev::mma_bf16_16816(sc, kA[j].z, kB[j].z, kA[j].w, kB[j].w, qf[j].z, qf[j].w);
+    for (int j = 0; j < KJ_MAX; ++j) {
+      if (j >= KJ) break;
+      const uint4 a = ld16(ka, 32 * j + 8 * t), b = ld16(kb, 32 * j + 8 * t);
+      const uint4 q = *reinterpret_cast<const uint4*>(qrow + 32 * j + 8 * t);
+      dev::mma_bf16_16816(sc, a.x, b.x, a.y, b.y, q.x, q.y);
+      dev::mma_bf16_16816(sc, a.z, b.z, a.w, b.w, q.z, q.w);
+    }
+    if (tail) {
+      const uint2 a = ld8(ka, 32 * KJ + 4 * t), b = ld8(kb, 32 * KJ + 4 * t);
+      const uint2 q = *reinterpret_cast<const uint2*>(qrow + 32 * KJ + 4 * t);
+      dev::mma_bf16_16816(sc, a.x, b.x, a.y, b.y, q.x, q.y);
     }
     const float ninf = -__int_as_float(0x7f800000);
     const float s0 = ka ? sc[0] * c.scale2 : ninf;  // pos r,   head 2t
@@ -176,21 +245,25 @@ __device__ __forceinline__ void one_pass(const Ctx& c, char* smem, int step, int
     l0 = l0 * corr0 + (p0 + p2);
     l1 = l1 * corr1 + (p1 + p3);
 #pragma unroll
-    for (int i = 0; i < MT; ++i) {
+    for (int i = 0; i < MT_MAX; ++i) {
       o[i][0] *= corr0;
       o[i][1] *= corr1;
       o[i][2] *= corr0;
       o[i][3] *= corr1;
     }
+    ot[0] *= corr0;
+    ot[1] *= corr1;
+    ot[2] *= corr0;
+    ot[3] *= corr1;
     // ---- P^T through smem: ps[hi/lo][head][pos] ----
     {
       const float pv[4] = {p0, p1, p2, p3};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int g = 2 * t + (e & 1), p = r + 8 * (e >> 1);
+        const int g = 2 * t + (e & 1), q = r + 8 * (e >> 1);
         const bf16 h = __float2bfloat16_rn(pv[e]);
-        ps[g * 16 + p] = h;
-        ps[128 + g * 16 + p] = __float2bfloat16_rn(pv[e] - __bfloat162float(h));
+        ps[g * 16 + q] = h;
+        ps[128 + g * 16 + q] = __float2bfloat16_rn(pv[e] - __bfloat162float(h));
       }
     }
     __syncwarp();
@@ -198,18 +271,34 @@ __device__ __forceinline__ void one_pass(const Ctx& c, char* smem, int step, int
     const uint32_t bh0 = dev::lds_u32(pbase), bh1 = dev::lds_u32(pbase + 16);
     const uint32_t bl0 = dev::lds_u32(pbase + 256), bl1 = dev::lds_u32(pbase + 256 + 16);
     __syncwarp();
-    // ---- O^T += V^T P^T ----
+    // ---- O^T += V^T P^T: V rows of positions 2t, 2t+1, 2t+8, 2t+9 ----
+    const bf16* vr[4];
 #pragma unroll
-    for (int cc = 0; cc < VC; ++cc) {
+    for (int qd = 0; qd < 4; ++qd) vr[qd] = row_of(c.vc, vnew, pb + 2 * t + (qd & 1) + 8 * (qd >> 1));
 #pragma unroll
-      for (int mm = 0; mm < 4; ++mm) {
-        const uint32_t w0 = (&vv[0][cc].x)[mm], w1 = (&vv[1][cc].x)[mm];
-        const uint32_t w2 = (&vv[2][cc].x)[mm], w3 = (&vv[3][cc].x)[mm];
+    for (int cc = 0; cc < KJ_MAX; ++cc) {
+      if (cc >= KJ) break;
+      uint2 w[4];
+#pragma unroll
+      for (int qd = 0; qd < 4; ++qd) w[qd] = ld8(vr[qd], 32 * cc + 4 * r);
+#pragma unroll
+      for (int mm = 0; mm < 2; ++mm) {
+        const uint32_t w0 = mm ? w[0].y : w[0].x, w1 = mm ? w[1].y : w[1].x;
+        const uint32_t w2 = mm ? w[2].y : w[2].x, w3 = mm ? w[3].y : w[3].x;
         const uint32_t a0 = __byte_perm(w0, w1, 0x5410), a1 = __byte_perm(w0, w1, 0x7632);
         const uint32_t a2 = __byte_perm(w2, w3, 0x5410), a3 = __byte_perm(w2, w3, 0x7632);
-        dev::mma_bf16_16816(o[cc * 4 + mm], a0, a1, a2, a3, bh0, bh1);
-        dev::mma_bf16_16816(o[cc * 4 + mm], a0, a1, a2, a3, bl0, bl1);
+        dev::mma_bf16_16816(o[cc * 2 + mm], a0, a1, a2, a3, bh0, bh1);
+        dev::mma_bf16_16816(o[cc * 2 + mm], a0, a1, a2, a3, bl0, bl1);
       }
+    }
+    if (tail) {
+      uint32_t w[4];
+#pragma unroll
+      for (int qd = 0; qd < 4; ++qd) w[qd] = ld4(vr[qd], 32 * KJ + 2 * r);
+      const uint32_t a0 = __byte_perm(w[0], w[1], 0x5410), a1 = __byte_perm(w[0], w[1], 0x7632);
+      const uint32_t a2 = __byte_perm(w[2], w[3], 0x5410), a3 = __byte_perm(w[2], w[3], 0x7632);
+      dev::mma_bf16_16816(ot, a0, a1, a2, a3, bh0, bh1);
+      dev::mma_bf16_16816(ot, a0, a1, a2, a3, bl0, bl1);
     }
   }
 
@@ -227,16 +316,19 @@ __device__ __forceinline__ void one_pass(const Ctx& c, char* smem, int step, int
   }
   float* wow = wo + warp * 8 * D;
 #pragma unroll
-  for (int cc = 0; cc < VC; ++cc) {
-#pragma unroll
-    for (int mm = 0; mm < 4; ++mm) {
-      const int d = 64 * cc + 8 * r + 2 * mm;
-      const float* v = o[cc * 4 + mm];
-      *reinterpret_cast<float2*>(wow + (2 * t) * D + d) = make_float2(v[0], v[2]);
-      *reinterpret_cast<float2*>(wow + (2 * t + 1) * D + d) = make_float2(v[1], v[3]);
-    }
+  for (int i = 0; i < MT_MAX; ++i) {
+    // m-tile i covers 32-d group i/2: rows d = 32(i/2) + 4r + 2(i%2) + {0, 1}
+    if (i >= 2 * KJ) break;
+    const int d = 32 * (i >> 1) + 4 * r + 2 * (i & 1);
+    *reinterpret_cast<float2*>(wow + (2 * t) * D + d) = make_float2(o[i][0], o[i][2]);
+    *reinterpret_cast<float2*>(wow + (2 * t + 1) * D + d) = make_float2(o[i][1], o[i][3]);
   }
-  __syncthreads();
+  if (tail) {  // the 16-d tail: rows d = 32KJ + 2r + {0, 1}
+    const int d = 32 * KJ + 2 * r;
+    *reinterpret_cast<float2*>(wow + (2 * t) * D + d) = make_float2(ot[0], ot[2]);
+    *reinterpret_cast<float2*>(wow + (2 * t + 1) * D + d) = make_float2(ot[1], ot[3]);
+  }
+  mpk::task_sync();
 
   // ---- merge the warps (fixed order) and write ----
   for (int idx = tid; idx < ng * D; idx += NUM_THREADS) {
@@ -254,7 +346,8 @@ __device__ __forceinline__ void one_pass(const Ctx& c, char* smem, int step, int
     const bool empty = !(lsum > 0.f);
     const float val = empty ? 0.f : osum / lsum;
     if (c.S == 1) {
-      c.out[((long long)bb * c.KVH + hh) * c.G * D + (long long)(g0 + g) * D + d] = dev::to_bf16(val);
+      c.out[((long long)bb * c.KVH + hh) * c.G * D + (long long)(g0 + g) * D + d] =
+          dev::to_bf16(val);
     } else {
       c.po[((long long)bb * c.KVH + hh) * c.S * c.G * D + (long long)(g0 + g) * D + d] = val;
       if (d == 0)
@@ -262,7 +355,50 @@ __device__ __forceinline__ void one_pass(const Ctx& c, char* smem, int step, int
             empty ? -__int_as_float(0x7f800000) : (mstar + __log2f(lsum)) * kLn2;
     }
   }
-  __syncthreads();  // smem is reused by the next pass
+  mpk::task_sync();  // smem is reused by the next pass
+}
+
+// Position, cache row and this split's range for row bb; stages the page-table slice.
+__device__ __forceinline__ bool row_setup(const Ctx& c, const Layout& L, char* smem, int bb,
+                                          int s, int step, int& p, bool& writer, long long& crow,
+                                          Range& R) {
+  int* pages = reinterpret_cast<int*>(smem + L.pages);
+  p = dev::ld_act_i32(c.pos + bb) + step;
+  if (p < 0 || p >= c.MAXPOS) return false;
+  const int length = p + 1;
+  const int chunk = (length + c.S - 1) / c.S;
+  R.lo = s * chunk;
+  R.hi = min(length, R.lo + chunk);
+  R.hi = min(R.hi, c.MAXP * c.PS);  // positions past the page table cannot be read
+  writer = p / chunk == s;
+  crow = -1;
+  const int* ptrow = c.pt + (long long)bb * c.MAXP;
+  if (writer && p / c.PS < c.MAXP) {
+    const int page = dev::ld_act_i32(ptrow + p / c.PS);
+    if (page >= 0 && page < c.NP) crow = ((long long)page * c.PS + p % c.PS) * c.KVH;
+  }
+  R.newpos = (writer && crow >= 0) ? p : -1;
+  const int n = max(0, R.hi - R.lo);
+  R.p_first = n > 0 ? R.lo / c.PS : 0;
+  const int n_pages = n > 0 ? (R.hi - 1) / c.PS - R.p_first + 1 : 0;
+  R.staged = min(n_pages, L.max_pages);
+  for (int i = threadIdx.x; i < R.staged; i += NUM_THREADS)
+    pages[i] = dev::ld_act_i32(ptrow + R.p_first + i);
+  return true;
+}
+
+// A row outside the rope table: zeros (or empty partials), nothing appended.
+__device__ __forceinline__ void write_empty(const Ctx& c, int bb, int hh) {
+  const int GD = c.G * c.D;
+  for (int idx = threadIdx.x; idx < GD; idx += NUM_THREADS) {
+    if (c.S == 1) {
+      c.out[((long long)bb * c.KVH + hh) * GD + idx] = dev::to_bf16(0.f);
+    } else {
+      c.po[((long long)bb * c.KVH + hh) * c.S * GD + idx] = 0.f;
+      if (idx < c.G)
+        c.plse[((long long)bb * c.KVH + hh) * c.S * c.G + idx] = -__int_as_float(0x7f800000);
+    }
+  }
 }
 
 }  // namespace detail
@@ -277,27 +413,39 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   c.PS = a.i(P_PAGE_SIZE);
   c.MAXP = a.i(P_MAX_PAGES);
   c.S = a.i(P_NUM_SPLITS);
-  c.HT = a.i(P_HEADS_PER_TASK);
-  c.BT = a.i(P_BATCH_PER_TASK);
   c.NP = a.i(P_NUM_PAGES);
+  c.MAXPOS = a.i(P_MAX_POS);
+  c.norm = a.i(P_HAS_QK_NORM) != 0 && a.has(O_Q_NORM) && a.has(O_K_NORM);
+  c.eps = a.f(P_EPS);
   c.scale2 = a.f(P_SCALE) * kLog2e;
-  c.q = a.operand<const bf16>(O_Q);
-  c.kc = a.operand<const bf16>(O_K_CACHE);
-  c.vc = a.operand<const bf16>(O_V_CACHE);
+  c.qkv = a.operand<const bf16>(O_QKV);
+  c.qn = a.operand<const bf16>(O_Q_NORM);
+  c.kn = a.operand<const bf16>(O_K_NORM);
+  c.rope = a.operand<const float>(O_ROPE);
   c.pt = a.operand<const int>(O_PAGE_TABLE);
   c.pos = a.operand<const int>(O_POSITIONS);
+  c.kc = a.operand<bf16>(O_K_CACHE);
+  c.vc = a.operand<bf16>(O_V_CACHE);
   c.out = a.operand<bf16>(O_OUT);
   c.po = a.operand<float>(O_PART_O);
   c.plse = a.operand<float>(O_PART_LSE);
   const int s = a.point(2);
-  if (c.PS <= 0 || c.S <= 0) return;  // uniform
-  if (c.S == 1 ? c.out == nullptr : (c.po == nullptr || c.plse == nullptr)) return;
-  for (int bb = 0; bb < c.BT; ++bb)
-    for (int hh = 0; hh < c.HT; ++hh)
-      for (int g0 = 0; g0 < c.G; g0 += 8) {
-        if (c.D == 128) one_pass<128>(c, a.smem, a.step, bb, hh, g0, s);
-        else if (c.D == 64) one_pass<64>(c, a.smem, a.step, bb, hh, g0, s);
-      }
+  if (c.PS <= 0 || c.S <= 0 || c.D % 16 || c.D > ATTN_MAX_HEAD_DIM) return;  // task.py refuses
+  // One KV head and one batch row per task (task.py: grid (KVH, B, S)).
+  const Layout L(c);
+  int p;
+  bool writer;
+  long long crow;
+  Range R;
+  if (!row_setup(c, L, a.smem, 0, s, a.step, p, writer, crow, R)) {
+    write_empty(c, 0, 0);
+    return;
+  }
+  prepare(c, L, a.smem, 0, 0, p, writer, crow);
+  mpk::task_sync();  // queries, this step's key and value, the page-table slice
+  // ATTN_MAX_HEAD_DIM (generated: 128, or 256 when the plan has larger heads) sizes the
+  // registers; one instantiation per build keeps the smaller heads' register budget.
+  for (int g0 = 0; g0 < c.G; g0 += 8) attend<ATTN_MAX_HEAD_DIM>(c, L, a.smem, 0, 0, g0, s, R);
 }
 
 }  // namespace mpk::kinds::attention

@@ -1,12 +1,23 @@
-"""attention: decode attention for one KV-head group, one batch row and one KV split.
+"""attention: one decode step of GQA attention for a tile of KV heads, batch rows and a KV split,
+with the query/key preparation fused in front (so a layer has no separate RoPE phase).
 
-q [B, KVH, G*D] bf16 (G query heads share each KV head: GQA), k_cache / v_cache
-[num_pages, page_size, KVH, D] bf16, page_table [B, max_pages] i32, positions [B] i32.
-Row b attends to positions 0 .. L-1 with L = positions[b] + step + 1. With S splits (grid axis 2)
-split s covers positions [s*c, min(L, (s+1)*c)), c = ceil(L / S), and writes fp32 partials
-part_o [B, KVH, S, G*D] and part_lse [B, KVH, S, G] (natural-log sum-exp; -inf when empty) for
-attention_merge. With one split it writes the normalised result out [B, KVH, G*D] bf16 directly.
-Grid: (KV-head tiles, B, S).
+qkv [B, KVH*(G+2)*D] bf16: per KV head h its G query heads, its key, then its value (the builder
+groups the fused QKV weight this way). q_norm, k_norm [D] bf16 (optional, Qwen3), rope
+[max_pos, D] f32 (cos in the first D/2 columns, sin in the last D/2), positions [B] i32 (the
+position of step 0), page_table [B, max_pages] i32, k_cache / v_cache [num_pages, page_size,
+KVH, D] bf16 (read and written).
+Per row b, p = positions[b] + step, L = p + 1:
+  1. q, k = RoPE(RMSNorm(q), RMSNorm(k)) (the norm only with q_norm/k_norm; rotate-half RoPE in
+     fp32, rounded to bf16 once); v as is.
+  2. the split that covers position p writes k and v there (page page_table[b, p // page_size],
+     slot p % page_size); every split reads only its own positions, so no split reads a
+     position another task of this step writes.
+  3. split s (grid axis 2, S splits) attends to positions [s*c, min(L, (s+1)*c)), c = ceil(L/S):
+     with one split it writes the normalised out [B, KVH*G*D] bf16; with several, fp32 partials
+     part_o [B, KVH, S, G*D] and part_lse [B, KVH, S, G] (natural-log sum-exp, -inf when empty)
+     for attention_merge.
+A row whose p is outside [0, max_pos) writes nothing to the caches and attends to nothing.
+Grid: (KVH, B, S), one KV head of one row per task; head_dim any multiple of 16 up to 256.
 """
 
 from __future__ import annotations
@@ -17,106 +28,195 @@ import torch
 
 from mpk.dtypes import DType
 from mpk.tasks.base import Access, OpView, OperandSpec, Param, TaskCost, TaskKind, Tile
+from mpk.tasks.numerics import bf16, rmsnorm_rows
 from mpk.tasks.registry import register
+
+MAX_HEAD_DIM = 256
+
+
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the last dim (Hugging Face convention), fp32."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 @register
 class Attention(TaskKind):
     name = "attention"
     operands = (
-        OperandSpec("q", Access.READ),
-        OperandSpec("k_cache", Access.READ),
-        OperandSpec("v_cache", Access.READ),
-        OperandSpec("page_table", Access.READ),
+        OperandSpec("qkv", Access.READ),
+        OperandSpec("q_norm", Access.READ, optional=True, weight=True),
+        OperandSpec("k_norm", Access.READ, optional=True, weight=True),
+        OperandSpec("rope", Access.READ),
         OperandSpec("positions", Access.READ),
+        OperandSpec("page_table", Access.READ),
+        OperandSpec("k_cache", Access.READ_WRITE),
+        OperandSpec("v_cache", Access.READ_WRITE),
         OperandSpec("out", Access.WRITE, optional=True),
         OperandSpec("part_o", Access.WRITE, optional=True),
         OperandSpec("part_lse", Access.WRITE, optional=True),
     )
+    # Each batch row appends to its own pages (the engine never maps a page into two rows) and a
+    # split writes only the position it attends to, so tasks' cache writes never meet at run
+    # time although their boxes (all pages of the head) overlap.
+    disjoint_writes = ("k_cache", "v_cache")
     params = (Param("batch"), Param("group"), Param("head_dim"), Param("kv_heads"),
               Param("page_size"), Param("max_pages"), Param("num_splits"),
-              Param("heads_per_task"), Param("scale", is_float=True), Param("batch_per_task"),
-              Param("num_pages"))
-    attrs = {"scale": 0.0}  # 0 means head_dim ** -0.5
+              Param("scale", is_float=True), Param("num_pages"), Param("max_pos"),
+              Param("has_qk_norm"), Param("eps", is_float=True))
+    attrs = {"scale": 0.0, "eps": 1e-6}  # scale 0 means head_dim ** -0.5
+    # sm90.cuh sizes its register arrays for heads up to this: 128, or 256 when a plan needs it
+    cuda_defaults = {"ATTN_MAX_HEAD_DIM": 128}
+
+    def cuda_constants(self, op: OpView) -> dict[str, int]:
+        return {"ATTN_MAX_HEAD_DIM": 128 if op.shape("k_cache")[3] <= 128 else MAX_HEAD_DIM}
 
     def default_splits(self, grid, tensors):
-        return {"q": (1, 0, None), "k_cache": (2, None, None), "v_cache": (2, None, None),
+        return {"qkv": (1, 0, None), "k_cache": (2, None, None), "v_cache": (2, None, None),
                 "page_table": (None, 0, None), "positions": (None, 0, None),
                 "out": (1, 0, None), "part_o": (1, 0, 2), "part_lse": (1, 0, 2)}
 
     def check(self, op: OpView) -> None:
         num_pages, page_size, kv_heads, head_dim = op.shape("k_cache")
-        batch = op.shape("q")[0]
+        batch = op.shape("qkv")[0]
         op.expect_shape("v_cache", op.shape("k_cache"))
-        if op.shape("q")[1] != kv_heads or op.shape("q")[2] % head_dim:
-            raise op.error(f"q {op.shape('q')} must be [B, {kv_heads}, G*{head_dim}]")
-        group = op.shape("q")[2] // head_dim
-        if head_dim not in (64, 128):
-            raise op.error(f"head_dim {head_dim} is not supported (the kernels do 64 and 128)")
+        width = op.shape("qkv")[1]
+        if len(op.shape("qkv")) != 2 or width % (kv_heads * head_dim) or \
+                width // (kv_heads * head_dim) < 3:
+            raise op.error(f"qkv {op.shape('qkv')} must be [B, {kv_heads}*(G+2)*{head_dim}]")
+        group = width // (kv_heads * head_dim) - 2
+        if head_dim % 16 or not 16 <= head_dim <= MAX_HEAD_DIM:
+            raise op.error(f"head_dim {head_dim} is not supported: use a multiple of 16 up to "
+                           f"{MAX_HEAD_DIM}")
         op.expect_shape("positions", (batch,))
+        if len(op.shape("page_table")) != 2 or op.shape("page_table")[0] != batch:
+            raise op.error(f"page_table must be [{batch}, max_pages], got {op.shape('page_table')}")
+        op.expect_shape("rope", (op.shape("rope")[0], head_dim))
+        if op.has("q_norm") != op.has("k_norm"):
+            raise op.error("give both q_norm and k_norm or neither")
+        for name in ("q_norm", "k_norm"):
+            if op.has(name):
+                op.expect_shape(name, (head_dim,))
+                op.expect_dtype(name, DType.BF16)
+        for name in ("qkv", "k_cache", "v_cache"):
+            op.expect_dtype(name, DType.BF16)
+        op.expect_dtype("rope", DType.F32)
+        op.expect_dtype("positions", DType.I32)
+        op.expect_dtype("page_table", DType.I32)
+        self._check_outputs(op, batch, kv_heads, group, head_dim)
+        op.expect_same_split("qkv", 1, "k_cache", 2)
+        op.expect_same_split("qkv", 0, "positions", 0)
+        op.expect_same_split("qkv", 0, "page_table", 0)
+        if op.axis_of("qkv", 1) != 0 or op.axis_of("qkv", 0) != 1 or \
+                op.grid[:2] != (kv_heads, batch):
+            raise op.error(f"the grid is (KV heads, batch rows, KV splits) = ({kv_heads}, "
+                           f"{batch}, S): one KV head of one row per task, got {op.grid}")
+
+    def _check_outputs(self, op: OpView, batch: int, kv_heads: int, group: int,
+                       head_dim: int) -> None:
         splits = op.grid[2]
         if splits == 1:
             if not op.has("out") or op.has("part_o") or op.has("part_lse"):
                 raise op.error("with one KV split give 'out' (and no partials)")
-            op.expect_shape("out", op.shape("q"))
+            op.expect_shape("out", (batch, kv_heads * group * head_dim))
             op.expect_dtype("out", DType.BF16)
-        else:
-            if op.has("out") or not (op.has("part_o") and op.has("part_lse")):
-                raise op.error("with several KV splits give 'part_o' and 'part_lse' (no 'out')")
-            op.expect_shape("part_o", (batch, kv_heads, splits, group * head_dim))
-            op.expect_shape("part_lse", (batch, kv_heads, splits, group))
-            op.expect_dtype("part_o", DType.F32)
-            op.expect_dtype("part_lse", DType.F32)
-        for name in ("q", "k_cache", "v_cache"):
-            op.expect_dtype(name, DType.BF16)
-        op.expect_same_split("q", 1, "k_cache", 2)
-        op.expect_same_split("q", 0, "positions", 0)
-        op.expect_same_split("q", 0, "page_table", 0)
-        if op.axis_of("q", 1) not in (0, None) or op.axis_of("q", 0) not in (1, None):
-            raise op.error("grid axis 0 splits KV heads, axis 1 splits the batch")
+            op.expect_same_split("out", 1, "qkv", 1)
+            op.expect_same_split("out", 0, "qkv", 0)
+            return
+        if op.has("out") or not (op.has("part_o") and op.has("part_lse")):
+            raise op.error("with several KV splits give 'part_o' and 'part_lse' (no 'out')")
+        op.expect_shape("part_o", (batch, kv_heads, splits, group * head_dim))
+        op.expect_shape("part_lse", (batch, kv_heads, splits, group))
+        op.expect_dtype("part_o", DType.F32)
+        op.expect_dtype("part_lse", DType.F32)
 
     def param_values(self, op: OpView) -> dict[str, int | float]:
         num_pages, page_size, kv_heads, head_dim = op.shape("k_cache")
         scale = op.attrs["scale"] or head_dim ** -0.5
-        return {"batch": op.shape("q")[0], "group": op.shape("q")[2] // head_dim,
+        batch, width = op.shape("qkv")
+        return {"batch": batch, "group": width // (kv_heads * head_dim) - 2,
                 "head_dim": head_dim, "kv_heads": kv_heads, "page_size": page_size,
                 "max_pages": op.shape("page_table")[1], "num_splits": op.grid[2],
-                "heads_per_task": op.tile_shape("q")[1], "scale": scale,
-                "batch_per_task": op.tile_shape("q")[0], "num_pages": num_pages}
+                "scale": scale, "num_pages": num_pages,
+                "max_pos": op.shape("rope")[0], "has_qk_norm": int(op.has("q_norm")),
+                "eps": op.attrs["eps"]}
+
+    def scratch_bytes(self, op: OpView) -> int:
+        # sm90.cuh's Layout: per-warp (m, l, O) states, the P transposes, the prepared queries,
+        # this step's key and value, the per-warp RoPE buffers, >= 1024 page-table entries
+        d = op.shape("k_cache")[3]
+        group = self.param_values(op)["group"]
+        return (8 * 8 * d * 4 + 2 * 8 * 8 * 4 + 8 * 2 * 8 * 16 * 2 + -(-group * d * 2 // 16) * 16
+                + 2 * d * 2 + 8 * d * 4 + 4096)
 
     def reference(self, tile: Tile) -> None:
         p = self.param_values(tile.op)
         d, group = p["head_dim"], p["group"]
-        heads = tile["q"].shape[1]
-        split = tile.point[2]
-        for b in range(tile["q"].shape[0]):
-            length = int(tile["positions"][b]) + tile.step + 1
+        heads = tile["qkv"].shape[1] // ((group + 2) * d)
+        for b in range(tile["qkv"].shape[0]):
+            pos = int(tile["positions"][b]) + tile.step
+            if not 0 <= pos < p["max_pos"]:
+                self._write_empty(tile, b, heads, group, d, p)
+                continue
+            q = self._prepare(tile, b, pos, heads, group, d, p)
+            length = pos + 1
             chunk = math.ceil(length / p["num_splits"])
-            lo, hi = split * chunk, min(length, (split + 1) * chunk)
-            q = tile["q"][b].float().reshape(heads, group, d)
+            lo, hi = tile.point[2] * chunk, min(length, (tile.point[2] + 1) * chunk)
             o, lse = _partial(q, tile, b, lo, hi, p)
             if p["num_splits"] == 1:
-                tile["out"][b].copy_(o.reshape(heads, group * d))
+                tile["out"][b].copy_(o.reshape(heads * group * d))
             else:
                 tile["part_o"][b, :, 0].copy_(o.reshape(heads, group * d))
                 tile["part_lse"][b, :, 0].copy_(lse)
 
+    def _prepare(self, tile: Tile, b: int, pos: int, heads: int, group: int, d: int,
+                 p: dict) -> torch.Tensor:
+        """q [heads, G, D] (bf16 values) for row b; the covering split appends k and v."""
+        row = tile["qkv"][b].float().reshape(heads, group + 2, d)
+        q, k, v = row[:, :group], row[:, group], row[:, group + 1]
+        if tile.has("q_norm"):
+            q = rmsnorm_rows(q, tile["q_norm"], p["eps"])
+            k = rmsnorm_rows(k, tile["k_norm"], p["eps"])
+        cos, sin = tile["rope"][pos, : d // 2], tile["rope"][pos, d // 2:]
+        chunk = math.ceil((pos + 1) / p["num_splits"])
+        page_index = pos // p["page_size"]
+        if pos // chunk == tile.point[2] and page_index < p["max_pages"]:
+            page = int(tile["page_table"][b, page_index])
+            if 0 <= page < p["num_pages"]:
+                slot = pos % p["page_size"]
+                tile["k_cache"][page, slot].copy_(rope_rotate(k, cos, sin))
+                tile["v_cache"][page, slot].copy_(v)
+        return bf16(rope_rotate(q, cos, sin))
+
+    def _write_empty(self, tile: Tile, b: int, heads: int, group: int, d: int, p: dict) -> None:
+        if p["num_splits"] == 1:
+            tile["out"][b].zero_()
+        else:
+            tile["part_o"][b].zero_()
+            tile["part_lse"][b].fill_(-math.inf)
+
     def cost(self, op: OpView) -> TaskCost:
         # Decode attention cost grows with the context; the scheduler assumes 1k positions.
         _, page_size, heads, d = op.tile_shape("k_cache")
-        batch = op.tile_shape("q")[0]
+        batch = op.tile_shape("qkv")[0]
         kv_bytes = batch * 2 * 1024 * heads * d * 2 // op.grid[2]
         return TaskCost(weight_bytes=0, act_bytes=kv_bytes, flops=kv_bytes * 2)
 
 
 def _partial(q: torch.Tensor, tile: Tile, b: int, lo: int, hi: int,
              p: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q [heads, G, D] over positions [lo, hi) of row b: (o, lse)."""
+    """Attention of q [heads, G, D] over positions [lo, hi) of row b: (o, lse). Positions whose
+    page is outside the page table or the pool are masked out."""
     heads, group, d = q.shape
-    if hi <= lo:
-        return torch.zeros_like(q), torch.full((heads, group), -math.inf)
-    pos = torch.arange(lo, hi)
+    pos = torch.arange(lo, max(lo, hi))
+    index = pos // p["page_size"]
+    pos = pos[index < p["max_pages"]]
     pages = tile["page_table"][b, pos // p["page_size"]].long()
+    valid = (pages >= 0) & (pages < p["num_pages"])
+    pos, pages = pos[valid], pages[valid]
+    if len(pos) == 0:
+        return torch.zeros_like(q), torch.full((heads, group), -math.inf)
     slots = pos % p["page_size"]
     k = tile["k_cache"][pages, slots].float()  # [n, heads, D]
     v = tile["v_cache"][pages, slots].float()

@@ -1,6 +1,6 @@
 """attention_merge: combine the KV-split partials of attention into the normalised output.
 
-part_o [B, KVH, S, G*D] f32, part_lse [B, KVH, S, G] f32 -> out [B, KVH, G*D] bf16:
+part_o [B, KVH, S, G*D] f32, part_lse [B, KVH, S, G] f32 -> out [B, KVH*G*D] bf16:
 out = sum_s exp(lse_s - lse) * o_s with lse = log(sum_s exp(lse_s)). Grid: (KV-head tiles, B, 1).
 """
 
@@ -31,7 +31,7 @@ class AttentionMerge(TaskKind):
         batch, kv_heads, splits, width = op.shape("part_o")
         group = op.shape("part_lse")[3]
         op.expect_shape("part_lse", (batch, kv_heads, splits, group))
-        op.expect_shape("out", (batch, kv_heads, width))
+        op.expect_shape("out", (batch, kv_heads * width))
         if width % group:
             raise op.error(f"part_o width {width} is not a multiple of the group {group}")
         op.expect_dtype("part_o", DType.F32)
@@ -47,7 +47,7 @@ class AttentionMerge(TaskKind):
         batch, kv_heads, splits, width = op.shape("part_o")
         group = op.shape("part_lse")[3]
         return {"batch": batch, "kv_heads": kv_heads, "num_splits": splits, "group": group,
-                "head_dim": width // group, "heads_per_task": op.tile_shape("out")[1],
+                "head_dim": width // group, "heads_per_task": kv_heads // op.grid[0],
                 "batch_per_task": op.tile_shape("out")[0]}
 
     def reference(self, tile: Tile) -> None:
@@ -58,7 +58,7 @@ class AttentionMerge(TaskKind):
         weight = torch.exp(lse - total).nan_to_num(0.0)  # all-empty rows cannot occur (L >= 1)
         o = o.reshape(b, h, s, group, width // group)
         merged = (o * weight[..., None]).sum(dim=2)
-        tile["out"].copy_(merged.reshape(b, h, width))
+        tile["out"].copy_(merged.reshape(b, h * width))
 
     def cost(self, op: OpView) -> TaskCost:
         b, h, s, width = op.tile_shape("part_o")

@@ -1,37 +1,30 @@
-// linear, sm_90a: out = prologue(x) @ weight^T (+ residual) for one tile of weight rows.
+// linear, sm_90a: out = epilogue(prologue(x) @ W^T) for one task's range of outputs, with the
+// weights read from the runtime's shared-memory pages (the loader streamed them ahead).
 //
-// Layout assumptions (default splits of task.py; nothing else is needed from the grid point):
-//   weight tile: tile_m x tile_n rows of K bf16; row (mi, ni) at W + mi*N*K + ni*K (W = tile
-//                pointer), i.e. a 2-D [N, K] weight is the case tile_m = 1.
-//   out / residual tile: element (b, mi, ni) at ptr + b*M*N + mi*N + ni (full-tensor strides).
-//   x: [B, K] (or [B, 2, K] for silu_mul), never split: the operand pointer is the tensor base.
-//   K % 8 == 0 and 16-byte aligned rows for the fast path; anything else takes a slow scalar path.
-//   Tiles of more than 1024 rows are processed in blocks of 1024 rows (x is re-staged per block).
+// The page contents and their order are defined in tasks/linear/geometry.py (read it first):
+// [norm weight page if rmsnorm] then units of 8 stream rows x 32 k (512 B, row-major), ordered
+// chunk -> block (8/4/2/1 row groups) -> k group -> row group, 32 units per page.
 //
-// Design (batch-1..8 decode is weight-bandwidth bound):
-//   * The prologue'd input rows (x, rmsnorm(x) or silu(g)*u, bf16 values exactly as numerics.py
-//     rounds them) are staged once per task in shared memory, 8 rows x K (+64 B row padding, so the
-//     16-byte fragment reads of consecutive lanes hit distinct banks). Rows b >= B read row B-1;
-//     their results are discarded. For B > 8 the task loops over groups of 8 rows; when 8 rows of
-//     K do not fit in shared memory, K is processed in chunks (fp32 accumulators in smem).
-//   * The matrix-vector product runs on the tensor cores with mma.sync m16n8k16 (bf16 in, fp32
-//     accumulate) in the "swap AB" form: A = 16 weight rows x 16 k, B = x^T (16 k x 8 batch rows).
-//     Because a dot product may visit k in any order, each lane's 16-byte weight load (8
-//     consecutive k of one row) IS its A fragment for two MMAs, and one 16-byte smem read of x is
-//     its B fragment: no conversions, no shuffles, no cross-lane reduction (the C fragment of a
-//     lane holds complete sums for rows g, g+8 and batch columns 2t, 2t+1).
-//   * Work item = 16 rows x 128 k (8 rows x 256 k when the tile's row count is not a multiple of
-//     16): 8 16-byte weight copies per lane, 4 KB per warp. Items are ordered row-group-major and
-//     split into 8 contiguous ranges, one per warp, so every warp streams the same number of
-//     bytes whatever the tile shape.
-//   * Weights stream through a per-warp ring of S stages (S = 2..6, as shared memory allows:
-//     up to 192 KB in flight per SM) with cp.async.cg 16-byte copies: each lane copies exactly
-//     the fragments it will read back, so only per-thread commit/wait groups are needed (no
-//     barriers). The first S items are issued before the prologue, so HBM latency overlaps the
-//     staging of x (which comes from L2).
-//   * A warp's partial sums for each row group it touched go to smem slot (row_group + warp),
-//     which is unique; the epilogue adds the slots of a row group in warp order (deterministic),
-//     rounds to the output dtype, adds the residual (rounding again for bf16), stores.
+// Work split: consumer warp w takes the task's units w, w+8, w+16, ... Inside a block of n row
+// groups (n divides 8) those are always row group (w - block_start) mod n of the block, at
+// k groups (u - block_start) / n: so a warp accumulates ONE row group per block in registers.
+// A block of 8 gives every warp its own row group: no cross-warp reduction, each warp writes its
+// outputs itself. Smaller blocks (a task's last few row groups) reduce the warps' partial sums
+// in shared memory in warp order (deterministic), then the CTA writes them.
+//
+// MMA (swap AB, mma.m16n8k16, bf16 in, fp32 accumulate): A = 16 "rows" x 16 k where rows g and
+// g+8 both hold stream row g (the duplicate half of D is discarded), B = x^T. A lane's 16-byte
+// unit read (row g = lane/4, k 8t..8t+7, t = lane%4) is its A fragment for two MMAs, and its
+// 16-byte read of staged x row g at the same k is the matching B fragment (a dot product may
+// visit k in any order, so the permutation inside each 32-k unit is free). D: lane (g, t) holds
+// row g for batch rows 2t, 2t+1; batch 9-16 uses a second B (x rows g+8) and D.
+//
+// Input rows: staged in shared memory, B rows x (xc + 32) bf16 per chunk (the 64-byte pad spreads
+// the 8 rows' 16-byte reads over all banks), as the reference rounds them (rmsnorm: bf16 values of
+// numerics.rmsnorm_rows). Several chunks (large K x batch) add each chunk's sums into fp32 `acc`.
+// Epilogues: plain (round to out's dtype, + residual rounded again for bf16), silu_mul (stream rows
+// g < 4 are gate, g + 4 up, paired by a shuffle), argmax (each output's key goes into a shared
+// 64-bit atomicMax: value-ordered, ties to the lowest index, NaN first; deterministic).
 #pragma once
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -39,400 +32,403 @@
 #include "../common/bf16.cuh"
 #include "../common/memory.cuh"
 #include "../common/reduce.cuh"
+#include "../common/split.cuh"
 
 namespace mpk::kinds::linear {
 namespace detail {
 
 using bf16 = __nv_bfloat16;
 constexpr int kWarps = NUM_THREADS / 32;
-constexpr int kPad = 32;        // bf16 elements of padding per staged x row (64 bytes)
-constexpr int kKAlign = 256;    // chunk lengths are multiples of the largest item k-span
-constexpr int kPrologueNone = 0, kPrologueRms = 1, kPrologueSilu = 2;
-constexpr int kMaxStages = 6;    // weight ring depth per warp (x 4 KB)
-constexpr int kRowBlock = 1024;  // rows per pass of the fast path (bounds its smem bookkeeping)
+constexpr int kRows = 8;
+constexpr int kUnitK = 32;
+constexpr int kUnitBytes = 512;
+constexpr int kPageUnits = PAGE_BYTES / kUnitBytes;
+constexpr int kXPad = 32;  // bf16 elements after each staged row (task.py X_PAD)
+constexpr int kMaxB = 16;
 
-struct Shape {
-  int B, K, N, M, tm, tn, R, prologue;
-  int r0;  // first tile row of the current row block (fast path: blocks of <= kRowBlock rows)
-  bool res, f32;
+struct Task {
+  int B, K, N, T, xc, nch, align, rgs, n0, n1;
+  bool silu, rms, res, f32, argmax;
   float eps;
   const bf16* x;
-  const bf16* nw;
-  const bf16* w;
-  void* out;
-  const void* resid;
+  void* out;          // element n of row b at out + b*N + n (full-tensor pointer)
+  const void* resid;  // same layout as out
+  float* pval;        // part_val tile: row b at + b*T
+  int* pidx;
 };
 
-// ---- epilogue: one output element -------------------------------------------------------------
-__device__ __forceinline__ void store_out(const Shape& s, int b, int r, float acc) {
-  r += s.r0;
-  const int mi = r / s.tn, ni = r - (r / s.tn) * s.tn;
-  const long long off = (long long)b * s.M * s.N + (long long)mi * s.N + ni;
-  if (s.f32) {
-    float y = acc;
-    if (s.res) y = __fadd_rn(y, dev::ld_act_f32(static_cast<const float*>(s.resid) + off));
-    static_cast<float*>(s.out)[off] = y;
-  } else {
-    float y = dev::round_bf16(acc);
-    if (s.res) y = __fadd_rn(y, dev::ld_act_bf16f(static_cast<const bf16*>(s.resid) + off));
-    static_cast<bf16*>(s.out)[off] = dev::to_bf16(y);
+// Shared scratch: [xs: B x XS bf16][part: 2 x kWarps x 8 x 16 f32][red: kWarps x 16 f32]
+// [inv: 16 f32][best: 16 u64][nw: K bf16 when chunked with rmsnorm][acc: rgs x 8 x B f32]
+struct Scratch {
+  bf16* xs;
+  float* part;
+  float* red;
+  float* inv;
+  unsigned long long* best;
+  bf16* nw;
+  float* acc;
+  int XS;
+};
+
+__device__ __forceinline__ Scratch carve(const Task& t, char* smem) {
+  Scratch s;
+  s.XS = t.xc + kXPad;
+  char* p = smem;
+  s.xs = reinterpret_cast<bf16*>(p);
+  p += ((t.B * s.XS * 2 + 15) / 16) * 16;
+  s.part = reinterpret_cast<float*>(p);
+  p += 2 * kWarps * kRows * kMaxB * 4;
+  s.red = reinterpret_cast<float*>(p);
+  p += kWarps * kMaxB * 4;
+  s.inv = reinterpret_cast<float*>(p);
+  p += kMaxB * 4;
+  s.best = reinterpret_cast<unsigned long long*>(p);
+  p += kMaxB * 8;
+  s.nw = reinterpret_cast<bf16*>(p);
+  if (t.rms && t.nch > 1) p += ((t.K * 2 + 15) / 16) * 16;
+  s.acc = reinterpret_cast<float*>(p);
+  return s;
+}
+
+// ---- argmax keys: larger key = better (value order, NaN highest, then the lower index) --------
+__device__ __forceinline__ unsigned long long argmax_key(float v, int idx) {
+  uint32_t bits = __float_as_uint(v);
+  bits = (v != v) ? 0xffffffffu : ((bits & 0x80000000u) ? ~bits : (bits | 0x80000000u));
+  return ((unsigned long long)bits << 32) | (uint32_t)(~idx);
+}
+__device__ __forceinline__ float key_value(unsigned long long key) {
+  const uint32_t bits = (uint32_t)(key >> 32);
+  if (bits == 0xffffffffu) return __int_as_float(0x7fc00000);
+  return __uint_as_float((bits & 0x80000000u) ? (bits & 0x7fffffffu) : ~bits);
+}
+__device__ __forceinline__ int key_index(unsigned long long key) { return (int)~(uint32_t)key; }
+
+// ---- epilogue of one output --------------------------------------------------------------------
+// Plain: write out[b][n] from the fp32 sum; returns the stored value (for argmax).
+__device__ __forceinline__ float store_plain(const Task& t, int b, int n, float sum, float resid) {
+  const long long off = (long long)b * t.N + n;
+  if (t.f32) {
+    const float y = t.res ? __fadd_rn(sum, resid) : sum;
+    static_cast<float*>(t.out)[off] = y;
+    return y;
   }
+  float y = dev::round_bf16(sum);
+  if (t.res) y = __fadd_rn(y, resid);
+  const bf16 stored = dev::to_bf16(y);
+  static_cast<bf16*>(t.out)[off] = stored;
+  return __bfloat162float(stored);
 }
 
-// ---- rmsnorm prologue: inverse rms of rows [b0, b0+nb) read straight from global ---------------
-// The tail both rmsnorm paths share: warp `warp` of the CTA adds its lanes' sums of squares of
-// row b into red[b][warp]; after every row, finish_rms_inv turns red into inv[b].
-__device__ __forceinline__ void store_warp_ss(float ss, int b, float* red, int lane, int warp) {
-  ss = dev::warp_sum(ss);
-  if (lane == 0) red[b * kWarps + warp] = ss;
+__device__ __forceinline__ void store_silu(const Task& t, int b, int n, float gate, float up) {
+  const float v = dev::silu_mul_f32(dev::round_bf16(gate), dev::round_bf16(up));
+  static_cast<bf16*>(t.out)[(long long)b * t.N + n] = dev::to_bf16(v);
 }
 
-__device__ __forceinline__ void finish_rms_inv(const Shape& s, int nb, const float* red,
-                                               float* inv) {
+__device__ __forceinline__ float load_resid(const Task& t, int b, int n) {
+  const long long off = (long long)b * t.N + n;
+  return t.f32 ? dev::ld_act_f32(static_cast<const float*>(t.resid) + off)
+               : dev::ld_act_bf16f(static_cast<const bf16*>(t.resid) + off);
+}
+
+// Output column of stream row r (task-local) for the plain epilogue.
+__device__ __forceinline__ int out_col(const Task& t, int rg, int g) { return t.n0 + rg * kRows + g; }
+
+// ---- input staging ---------------------------------------------------------------------------
+// Copy x[b][k0, k0+kc) of every row into xs with cp.async, zero k in [kc, kfill).
+__device__ __forceinline__ void stage_raw(const Task& t, const Scratch& s, int k0, int kc,
+                                          int kfill) {
   const int tid = threadIdx.x;
-  __syncthreads();
-  if (tid < nb) {
-    float t = 0.f;
-    for (int w = 0; w < kWarps; ++w) t += red[tid * kWarps + w];
-    inv[tid] = dev::rms_inv(t, s.K, s.eps);
-  }
-  __syncthreads();
-}
-
-__device__ __forceinline__ void rms_inv_global(const Shape& s, int b0, int nb, float* red,
-                                            float* inv) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const bool vec = (s.K % 8 == 0) && dev::aligned16(s.x);
-  for (int b = 0; b < nb; ++b) {
-    const bf16* row = s.x + (long long)(b0 + b) * s.K;
-    float ss = 0.f;
-    if (vec) {
-      for (int v = tid; v < s.K / 8; v += NUM_THREADS) {
-        float f[8];
-        dev::unpack8(dev::ld_act_v4(row + v * 8), f);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) ss = fmaf(f[e], f[e], ss);
-      }
-    } else {
-      for (int k = tid; k < s.K; k += NUM_THREADS) {
-        float f = dev::ld_act_bf16f(row + k);
-        ss = fmaf(f, f, ss);
-      }
-    }
-    store_warp_ss(ss, b, red, lane, warp);
-  }
-  finish_rms_inv(s, nb, red, inv);
-}
-
-// ---- slow path: any K, any alignment (scalar loads, CUDA cores) -------------------------------
-__device__ __forceinline__ float x_elem(const Shape& s, int b, int k, const float* inv) {
-  if (s.prologue == kPrologueSilu) {
-    const bf16* row = s.x + (long long)b * 2 * s.K;
-    return dev::silu_mul_f32(dev::ld_act_bf16f(row + k), dev::ld_act_bf16f(row + s.K + k));
-  }
-  float v = dev::ld_act_bf16f(s.x + (long long)b * s.K + k);
-  if (s.prologue == kPrologueRms) v = dev::rmsnorm_elem(v, inv[b], dev::ld_weight_bf16f(s.nw + k));
-  return v;
-}
-
-__device__ __forceinline__ void run_slow(const Shape& s, char* smem) {
-  float* red = reinterpret_cast<float*>(smem);
-  float* inv = red + 8 * kWarps;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int b0 = 0; b0 < s.B; b0 += 8) {
-    const int nb = min(8, s.B - b0);
-    if (s.prologue == kPrologueRms) rms_inv_global(s, b0, nb, red, inv);
-    for (int r = warp; r < s.R; r += kWarps) {
-      const int mi = r / s.tn, ni = r - mi * s.tn;
-      const bf16* wr = s.w + (long long)mi * s.N * s.K + (long long)ni * s.K;
-      for (int b = b0; b < b0 + nb; ++b) {
-        float acc = 0.f;
-        for (int k = lane; k < s.K; k += 32)
-          acc = fmaf(dev::ld_weight_bf16f(wr + k), x_elem(s, b, k, inv - b0), acc);
-        acc = dev::warp_sum(acc);
-        if (lane == 0) store_out(s, b, r, acc);
-      }
-    }
-    __syncthreads();  // red/inv are rewritten by the next row group
-  }
-}
-
-// ---- fast path ----------------------------------------------------------------------------------
-// HALVES = 2: an item is 16 rows x 128 k (rows g and g+8 of the MMA are real rows).
-// HALVES = 1: an item is  8 rows x 256 k (MMA rows g+8 duplicate rows g and are discarded).
-template <int HALVES>
-struct Tiling {
-  static constexpr int kRows = 8 * HALVES;          // rows per row group
-  static constexpr int kSpan = 256 / HALVES;        // k per item
-  static constexpr int kLoads = 8;                  // 16-byte weight loads per lane per item
-};
-
-// Walks a warp's items in order (row group major, then k), issuing each item's 8 16-byte weight
-// copies (this lane's fragments) into a ring stage. Division only when the row group changes.
-// Copy L of lane l lands at stage + L*512 + l*16; out-of-range rows / k read nothing and store
-// zeros (cp.async src-size 0). The caller commits the group.
-template <int HALVES>
-struct ItemIssuer {
-  using T = Tiling<HALVES>;
-  const bf16* row[HALVES];
-  bool valid[HALVES];
-  int rg, ks;
-
-  __device__ __forceinline__ void set_rows(const Shape& s, int kc0, int g) {
-#pragma unroll
-    for (int h = 0; h < HALVES; ++h) {
-      const int r = rg * T::kRows + g + 8 * h;
-      valid[h] = r < s.R;
-      const int rr = s.r0 + (valid[h] ? r : 0);
-      const int mi = rr / s.tn, ni = rr - mi * s.tn;
-      row[h] = s.w + (long long)mi * s.N * s.K + (long long)ni * s.K + kc0;
-    }
-  }
-  __device__ __forceinline__ void start(const Shape& s, int it, int ks_per_rg, int kc0, int g) {
-    rg = it / ks_per_rg;
-    ks = it - rg * ks_per_rg;
-    set_rows(s, kc0, g);
-  }
-  // Issue the current item into `dst` and advance to the next one.
-  __device__ __forceinline__ void issue(unsigned dst, const Shape& s, int ks_per_rg, int kc0,
-                                        int kc_len, int g, int t, int lane) {
-    const int k0 = ks * T::kSpan + t * 8;
-    const bool full = ks * T::kSpan + T::kSpan <= kc_len;
-#pragma unroll
-    for (int h = 0; h < HALVES; ++h) {
-#pragma unroll
-      for (int j = 0; j < 8 / HALVES; ++j) {
-        const int k = k0 + j * 32;
-        const bool ok = valid[h] && (full || k < kc_len);
-        dev::cp_async_weight16(dst + (j * HALVES + h) * 512 + lane * 16,
-                               ok ? row[h] + k : row[h], ok);
-      }
-    }
-    if (++ks == ks_per_rg) {
-      ks = 0;
-      ++rg;
-      set_rows(s, kc0, g);
-    }
-  }
-};
-
-template <int HALVES>
-__device__ __forceinline__ void mma_item(float (&c)[4], const uint4 (&v)[8], unsigned xrow,
-                                         int k0, int t) {
-  using T = Tiling<HALVES>;
-#pragma unroll
-  for (int j = 0; j < 8 / HALVES; ++j) {
-    const uint4 xb = dev::lds_v4(xrow + 2u * (k0 + j * 32 + t * 8));
-    const uint4& lo = v[j * HALVES];
-    const uint4& hi = v[j * HALVES + HALVES - 1];  // == lo when HALVES == 1
-    dev::mma_bf16_16816(c, lo.x, hi.x, lo.y, hi.y, xb.x, xb.y);
-    dev::mma_bf16_16816(c, lo.z, hi.z, lo.w, hi.w, xb.z, xb.w);
-  }
-  (void)T::kRows;
-}
-
-template <int HALVES>
-__device__ __forceinline__ void flush(float* part, int seg, const float (&c)[4], int g, int t) {
-  float* p = part + seg * 128;
-  *reinterpret_cast<float2*>(p + g * 8 + 2 * t) = make_float2(c[0], c[1]);
-  if (HALVES == 2) *reinterpret_cast<float2*>(p + (g + 8) * 8 + 2 * t) = make_float2(c[2], c[3]);
-}
-
-// Copy `nb` rows of `len` bf16 (len % 8 == 0) from global (row stride `ss`) to smem (row stride
-// `ds`) with cp.async; the caller waits (cp_async_wait_all + barrier).
-__device__ __forceinline__ void copy_rows_async(bf16* dst, int ds, const bf16* src, long long ss,
-                                                int nb, int len) {
-  const unsigned vpr = static_cast<unsigned>(len) / 8u;
-  const unsigned total = static_cast<unsigned>(nb) * vpr;
-  for (unsigned idx = threadIdx.x; idx < total; idx += NUM_THREADS) {
-    const unsigned b = idx / vpr, v = idx - b * vpr;
-    dev::cp_async_act16(dst + b * ds + v * 8, src + b * ss + v * 8);
-  }
-}
-
-// Start copying the raw input rows [b0, b0+nb), k in [kc0, kc0+kc_len), into smem (xs rows of
-// stride XS, or for silu_mul the gate/up rows into `raw`, 2 * nb rows of stride KC) and commit
-// them as one cp.async group. The caller waits for that group, then calls stage_x_finish.
-__device__ __forceinline__ void stage_x_issue(const Shape& s, bf16* xs, int XS, bf16* raw, int KC,
-                                              int b0, int nb, int kc0, int kc_len) {
-  if (s.prologue == kPrologueSilu) {
-    const bf16* src = s.x + (long long)b0 * 2 * s.K + kc0;
-    copy_rows_async(raw, KC, src, 2LL * s.K, nb, kc_len);                 // gate rows
-    copy_rows_async(raw + nb * KC, KC, src + s.K, 2LL * s.K, nb, kc_len);  // up rows
-  } else {
-    copy_rows_async(xs, XS, s.x + (long long)b0 * s.K + kc0, s.K, nb, kc_len);
+  const int vpr = kc / 8;
+  for (int idx = tid; idx < t.B * vpr; idx += NUM_THREADS) {
+    const int b = idx / vpr, v = idx - b * vpr;
+    dev::cp_async_act16(s.xs + b * s.XS + v * 8, t.x + (long long)b * t.K + k0 + v * 8);
   }
   dev::cp_async_commit();
-}
-
-// Turn the staged raw rows into the prologue'd input (bf16 values exactly as numerics.py rounds
-// them) and zero-fill k in [kc_len, kc_fill). rmsnorm: with `single` (the whole row is staged)
-// the inverse rms is computed here from smem; otherwise inv[] holds it already. Starts and ends
-// with a barrier (the caller has waited for its own copies).
-__device__ __forceinline__ void stage_x_finish(const Shape& s, bf16* xs, int XS, bf16* raw, int KC,
-                                               int nb, int kc0, int kc_len, int kc_fill,
-                                               bool single, float* red, float* inv) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  __syncthreads();
-
-  const unsigned vpr = static_cast<unsigned>(kc_len) / 8u;
-  const unsigned total = static_cast<unsigned>(nb) * vpr;
-  if (s.prologue == kPrologueRms) {
-    if (single) {
-      for (int b = 0; b < nb; ++b) {
-        float ss = 0.f;
-        for (unsigned v = tid; v < vpr; v += NUM_THREADS) {
-          float f[8];
-          dev::unpack8(*reinterpret_cast<const uint4*>(xs + b * XS + v * 8), f);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) ss = fmaf(f[e], f[e], ss);
-        }
-        store_warp_ss(ss, b, red, lane, warp);
-      }
-      finish_rms_inv(s, nb, red, inv);
-    }
-#pragma unroll 1
-    for (unsigned idx = tid; idx < total; idx += NUM_THREADS) {
-      const unsigned b = idx / vpr, v = idx - b * vpr;
-      uint4* p = reinterpret_cast<uint4*>(xs + b * XS + v * 8);
-      float fx[8], fw[8], fo[8];
-      dev::unpack8(*p, fx);
-      dev::unpack8(dev::ld_weight_v4(s.nw + kc0 + v * 8), fw);
-      const float ib = inv[b];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) fo[e] = dev::rmsnorm_elem(fx[e], ib, fw[e]);
-      *p = dev::pack8(fo);
-    }
-  } else if (s.prologue == kPrologueSilu) {
-#pragma unroll 1
-    for (unsigned idx = tid; idx < total; idx += NUM_THREADS) {
-      const unsigned b = idx / vpr, v = idx - b * vpr;
-      float fg[8], fu[8], fo[8];
-      dev::unpack8(*reinterpret_cast<const uint4*>(raw + b * KC + v * 8), fg);
-      dev::unpack8(*reinterpret_cast<const uint4*>(raw + (nb + b) * KC + v * 8), fu);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) fo[e] = dev::silu_mul_f32(fg[e], fu[e]);
-      *reinterpret_cast<uint4*>(xs + b * XS + v * 8) = dev::pack8(fo);
-    }
-  }
-  const int zpr = (kc_fill - kc_len) / 8;
-  for (int idx = tid; idx < nb * zpr; idx += NUM_THREADS) {
+  const int zpr = (kfill - kc) / 8;
+  for (int idx = tid; idx < t.B * zpr; idx += NUM_THREADS) {
     const int b = idx / zpr, v = idx - b * zpr;
-    *reinterpret_cast<uint4*>(xs + b * XS + kc_len + v * 8) = make_uint4(0u, 0u, 0u, 0u);
+    *reinterpret_cast<uint4*>(s.xs + b * s.XS + kc + v * 8) = make_uint4(0u, 0u, 0u, 0u);
   }
-  __syncthreads();
+  dev::cp_async_wait_all();
+  mpk::task_sync();
 }
 
-template <int HALVES>
-__device__ __forceinline__ void run_fast(const Shape& s, char* smem) {
-  using T = Tiling<HALVES>;
-  constexpr int kStageBytes = 32 * 8 * 16;  // one item: 8 x 16 B per lane
+// Sum of squares of the staged rows' first kc elements into red[warp][b] (+= when `add`).
+__device__ __forceinline__ void sum_squares(const Task& t, const Scratch& s, int kc, bool add) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int RG = (s.R + T::kRows - 1) / T::kRows;
-  const int nseg = RG + kWarps - 1;
-
-  // Shared memory: [part: nseg*128 f32][acc: R*8 f32][red: 64 f32][inv: 8 f32]
-  //                [ring: kWarps x S stages x 4 KB][xs: nb rows x XS bf16][raw (silu): 2*nb x KC]
-  float* part = reinterpret_cast<float*>(smem);
-  float* acc = part + nseg * 128;
-  float* red = acc + s.R * 8;
-  float* inv = red + 8 * kWarps;
-  char* ring = reinterpret_cast<char*>(inv + 8);
-  const int fixed_bytes = (nseg * 128 + s.R * 8 + 8 * kWarps + 8) * 4;
-  const int per_k = s.prologue == kPrologueSilu ? 6 : 2;  // smem bytes per staged x element
-
-  for (int b0 = 0; b0 < s.B; b0 += 8) {
-    const int nb = min(8, s.B - b0);
-    // Ring depth S and K chunking: the whole row if it fits next to >= 2 stages per warp.
-    const int avail = SMEM_BYTES - fixed_bytes;
-    const int k_full = (s.K + kKAlign - 1) / kKAlign * kKAlign;
-    const int x_full = nb * (per_k * k_full + 2 * kPad);
-    int S, kc_max;
-    if (x_full + 2 * kWarps * kStageBytes <= avail) {
-      S = min(kMaxStages, (avail - x_full) / (kWarps * kStageBytes));
-      kc_max = k_full;
-    } else {
-      S = 2;
-      kc_max = ((avail - S * kWarps * kStageBytes) / nb - 2 * kPad) / per_k / kKAlign * kKAlign;
-      if (kc_max < kKAlign) kc_max = kKAlign;
-    }
-    const int nchunks = (s.K + kc_max - 1) / kc_max;
-    const int KC = ((s.K + nchunks - 1) / nchunks + kKAlign - 1) / kKAlign * kKAlign;
-    const int XS = KC + kPad;
-    const unsigned ring_w = dev::smem_addr(ring) + warp * S * kStageBytes;
-    bf16* xs = reinterpret_cast<bf16*>(ring + kWarps * S * kStageBytes);
-    bf16* raw = xs + nb * XS;
-    const unsigned xrow = dev::smem_addr(xs + min(g, nb - 1) * XS);
-
-    if (s.prologue == kPrologueRms && nchunks > 1) rms_inv_global(s, b0, nb, red, inv);
-
-    for (int ch = 0; ch < nchunks; ++ch) {
-      const int kc0 = ch * KC;
-      const int kc_len = min(KC, s.K - kc0);
-      const int ks_per_rg = (kc_len + T::kSpan - 1) / T::kSpan;
-      const int total = RG * ks_per_rg;
-      const int it0 = (int)((long long)warp * total / kWarps);
-      const int it1 = (int)((long long)(warp + 1) * total / kWarps);
-
-      // Input rows first (one group), then the first S items of this warp (one group each),
-      // so the weight stream is in flight while the prologue runs.
-      stage_x_issue(s, xs, XS, raw, KC, b0, nb, kc0, kc_len);
-      ItemIssuer<HALVES> iss;
-      iss.start(s, it0, ks_per_rg, kc0, g);
-      for (int q = 0; q < S; ++q) {
-        if (it0 + q < it1) iss.issue(ring_w + q * kStageBytes, s, ks_per_rg, kc0, kc_len, g, t, lane);
-        dev::cp_async_commit();
-      }
-      dev::cp_async_wait_group(S);  // the input rows have landed (weights may still fly)
-      stage_x_finish(s, xs, XS, raw, KC, nb, kc0, kc_len, ks_per_rg * T::kSpan, nchunks == 1,
-                     red, inv);
-
-      // Main loop: item i sits in stage i % S; S groups are always pending.
-      float c[4] = {0.f, 0.f, 0.f, 0.f};
-      int cur_rg = it0 / ks_per_rg;
-      int ks = it0 - cur_rg * ks_per_rg;
-      int stage = 0;
-      for (int it = it0; it < it1; ++it) {
-        dev::cp_async_wait_group(S - 1);
-        const unsigned src = ring_w + stage * kStageBytes + lane * 16;
-        uint4 v[8];
+  const int vpr = kc / 8;
+  for (int b = 0; b < t.B; ++b) {
+    float ss = 0.f;
+    for (int v = tid; v < vpr; v += NUM_THREADS) {
+      float f[8];
+      dev::unpack8(*reinterpret_cast<const uint4*>(s.xs + b * s.XS + v * 8), f);
 #pragma unroll
-        for (int L = 0; L < 8; ++L) v[L] = dev::lds_v4(src + L * 512);
-        mma_item<HALVES>(c, v, xrow, ks * T::kSpan, t);
-        // The MMAs consumed v, so the stage can be refilled.
-        if (it + S < it1)
-          iss.issue(ring_w + stage * kStageBytes, s, ks_per_rg, kc0, kc_len, g, t, lane);
-        dev::cp_async_commit();
-        stage = stage + 1 == S ? 0 : stage + 1;
-        if (++ks == ks_per_rg && it + 1 < it1) {  // next item starts a new row group
-          flush<HALVES>(part, cur_rg + warp, c, g, t);
-          c[0] = c[1] = c[2] = c[3] = 0.f;
-          ks = 0;
-          ++cur_rg;
-        }
-      }
-      if (it0 < it1) flush<HALVES>(part, cur_rg + warp, c, g, t);
-      __syncthreads();
-
-      // Reduce the warps' partial sums in a fixed order; epilogue after the last chunk.
-      const bool last = ch == nchunks - 1;
-      for (int idx = tid; idx < nb * s.R; idx += NUM_THREADS) {
-        const int b = idx / s.R, r = idx - (idx / s.R) * s.R;
-        const int rg = r / T::kRows, rr = r - rg * T::kRows;
-        const int lo = rg * ks_per_rg, hi = lo + ks_per_rg;
-        float sum = 0.f;
-        for (int w = 0; w < kWarps; ++w) {
-          const int w0 = (int)((long long)w * total / kWarps);
-          const int w1 = (int)((long long)(w + 1) * total / kWarps);
-          if (w0 < w1 && w0 < hi && w1 > lo) sum += part[(rg + w) * 128 + rr * 8 + b];
-        }
-        if (ch > 0) sum += acc[r * 8 + b];
-        if (last) store_out(s, b0 + b, r, sum);
-        else acc[r * 8 + b] = sum;
-      }
-      __syncthreads();
+      for (int e = 0; e < 8; ++e) ss = fmaf(f[e], f[e], ss);
     }
+    ss = dev::warp_sum(ss);
+    if (lane == 0) s.red[warp * kMaxB + b] = add ? s.red[warp * kMaxB + b] + ss : ss;
+  }
+}
+
+__device__ __forceinline__ void finish_inv(const Task& t, const Scratch& s) {
+  mpk::task_sync();
+  const int tid = threadIdx.x;
+  if (tid < t.B) {
+    float total = 0.f;
+    for (int w = 0; w < kWarps; ++w) total += s.red[w * kMaxB + tid];
+    s.inv[tid] = dev::rms_inv(total, t.K, t.eps);
+  }
+  mpk::task_sync();
+}
+
+// rmsnorm the staged chunk in place (norm weight nw[k0 ..]); ends with a barrier.
+__device__ __forceinline__ void normalize(const Task& t, const Scratch& s, const bf16* nw, int k0,
+                                          int kc) {
+  const int vpr = kc / 8;
+  for (int idx = threadIdx.x; idx < t.B * vpr; idx += NUM_THREADS) {
+    const int b = idx / vpr, v = idx - b * vpr;
+    uint4* p = reinterpret_cast<uint4*>(s.xs + b * s.XS + v * 8);
+    float fx[8], fw[8], fo[8];
+    dev::unpack8(*p, fx);
+    dev::unpack8(*reinterpret_cast<const uint4*>(nw + k0 + v * 8), fw);
+    const float ib = s.inv[b];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) fo[e] = dev::rmsnorm_elem(fx[e], ib, fw[e]);
+    *p = dev::pack8(fo);
+  }
+  mpk::task_sync();
+}
+
+// ---- the MMA walk over one block ---------------------------------------------------------------
+struct Acc {
+  float c[4], d[4];  // batch rows 2t, 2t+1 (c) and 8+2t, 9+2t (d)
+};
+
+// Accumulate this warp's units of a block: task-local units [u0, u0 + nb*nk).
+__device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::PageCursor& pc,
+                                          int pbase, int u0, int nb, int nk, Acc& acc) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, tq = lane & 3;
+  const int first = u0 + (((warp - u0) % kWarps) + kWarps) % kWarps;
+  const int end = u0 + nb * nk;
+  const unsigned xrow = dev::smem_addr(s.xs + min(g, t.B - 1) * s.XS + tq * 8);
+  const unsigned xrow2 = dev::smem_addr(s.xs + min(g + 8, t.B - 1) * s.XS + tq * 8);
+  const bool two = t.B > 8;
+#pragma unroll 2
+  for (int u = first; u < end; u += kWarps) {
+    const int kg = (u - u0) / nb;
+    const uint32_t page = pc.at(pbase + u / kPageUnits);
+    const uint4 w = dev::lds_v4(page + (u % kPageUnits) * kUnitBytes + lane * 16);
+    const uint4 xb = dev::lds_v4(xrow + kg * (kUnitK * 2));
+    dev::mma_bf16_16816(acc.c, w.x, w.x, w.y, w.y, xb.x, xb.y);
+    dev::mma_bf16_16816(acc.c, w.z, w.z, w.w, w.w, xb.z, xb.w);
+    if (two) {
+      const uint4 xc = dev::lds_v4(xrow2 + kg * (kUnitK * 2));
+      dev::mma_bf16_16816(acc.d, w.x, w.x, w.y, w.y, xc.x, xc.y);
+      dev::mma_bf16_16816(acc.d, w.z, w.z, w.w, w.w, xc.z, xc.w);
+    }
+  }
+}
+
+// The fp32 sums of a lane's (row g; batch rows j = 0..3 -> 2t, 2t+1, 8+2t, 9+2t).
+__device__ __forceinline__ float acc_at(const Acc& a, int j) {
+  return j == 0 ? a.c[0] : j == 1 ? a.c[1] : j == 2 ? a.d[0] : a.d[1];
+}
+__device__ __forceinline__ int batch_of(int j, int tq) { return (j >> 1) * 8 + 2 * tq + (j & 1); }
+
+// Residual values a lane (own blocks) or a thread (shared blocks) will add, loaded before the
+// block's MMAs so the L2 round trip overlaps them. Unused slots hold 0.
+__device__ __forceinline__ void prefetch_own(const Task& t, int rg, float (&r)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int n = out_col(t, rg, g);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int b = batch_of(j, tq);
+    r[j] = (t.res && b < t.B && n < t.n1) ? load_resid(t, b, n) : 0.f;
+  }
+}
+
+// A block of 8 row groups: this warp owns row group `rg` (task-local); write or accumulate.
+__device__ __forceinline__ void finish_own(const Task& t, const Scratch& s, int rg, const Acc& a,
+                                           const float (&resid)[4], int ch,
+                                           unsigned long long (&best)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const bool last = ch == t.nch - 1;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int b = batch_of(j, tq);
+    float v = acc_at(a, j);
+    if (t.nch > 1) {  // this warp alone owns these accumulator rows
+      float* slot = s.acc + (rg * kRows + g) * t.B + min(b, t.B - 1);
+      if (ch > 0 && b < t.B) v += *slot;
+      if (!last) {
+        if (b < t.B) *slot = v;
+        continue;
+      }
+    }
+    if (t.silu) {
+      const float up = __shfl_xor_sync(0xffffffffu, v, 16);  // stream row g + 4 = lane + 16
+      const int n = t.n0 + rg * 4 + g;
+      if (g < 4 && b < t.B && n < t.n1) store_silu(t, b, n, v, up);
+      continue;
+    }
+    const int n = out_col(t, rg, g);
+    if (b < t.B && n < t.n1) {
+      const float y = store_plain(t, b, n, v, resid[j]);
+      if (t.argmax) {
+        const unsigned long long key = argmax_key(y, n);
+        if (key > best[j]) best[j] = key;
+      }
+    }
+  }
+}
+
+// Outputs of a shared block handled by this thread: idx = tid + NUM_THREADS * i, i < 2, over
+// (row-group-local row r, batch b) for plain outputs (nb*8*B), or (r < 4 pairs) for silu_mul.
+__device__ __forceinline__ int shared_outputs(const Task& t, int nb) {
+  return nb * (t.silu ? 4 : kRows) * t.B;
+}
+
+__device__ __forceinline__ void prefetch_shared(const Task& t, int rg0, int nb, float (&r)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int idx = threadIdx.x + NUM_THREADS * i;
+    r[i] = 0.f;
+    if (!t.res || t.silu || idx >= shared_outputs(t, nb)) continue;
+    const int b = idx % t.B, row = idx / t.B;
+    const int n = out_col(t, rg0 + row / kRows, row % kRows);
+    if (n < t.n1) r[i] = load_resid(t, b, n);
+  }
+}
+
+// Sum of the block's partials for (row group rgl of the block, row g, batch b), in warp order:
+// the warps that met row group rgl are those w with (w - u0) mod nb == rgl.
+__device__ __forceinline__ float reduce_part(const Scratch& s, int buf, int u0, int nb, int rgl,
+                                             int g, int b) {
+  float sum = 0.f;
+  for (int w = 0; w < kWarps; ++w)
+    if ((((w - u0) % nb) + nb) % nb == rgl) sum += s.part[((buf * kWarps + w) * kRows + g) * kMaxB + b];
+  return sum;
+}
+
+// A block of nb < 8 row groups: the warps' partial sums meet in part[buf], the CTA finishes them.
+__device__ __forceinline__ void finish_shared(const Task& t, const Scratch& s, int rg0, int u0,
+                                              int nb, const Acc& a, int buf,
+                                              const float (&resid)[2], int ch) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+  float* mine = s.part + ((buf * kWarps + warp) * kRows + g) * kMaxB;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) mine[batch_of(j, tq)] = acc_at(a, j);
+  mpk::task_sync();
+  const bool last = ch == t.nch - 1;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int idx = tid + NUM_THREADS * i;
+    if (idx >= shared_outputs(t, nb)) continue;
+    const int b = idx % t.B, row = idx / t.B;
+    const int rows_per_rg = t.silu ? 4 : kRows;
+    const int rgl = row / rows_per_rg, r = row % rows_per_rg;
+    const int rg = rg0 + rgl;
+    float v = reduce_part(s, buf, u0, nb, rgl, r, b);
+    float up = t.silu ? reduce_part(s, buf, u0, nb, rgl, r + 4, b) : 0.f;
+    if (t.nch > 1) {
+      float* slot = s.acc + (rg * kRows + r) * t.B + b;
+      float* slot_up = slot + 4 * t.B;
+      if (ch > 0) {
+        v += *slot;
+        if (t.silu) up += *slot_up;
+      }
+      if (!last) {
+        *slot = v;
+        if (t.silu) *slot_up = up;
+        continue;
+      }
+    }
+    if (t.silu) {
+      const int n = t.n0 + rg * 4 + r;
+      if (n < t.n1) store_silu(t, b, n, v, up);
+      continue;
+    }
+    const int n = out_col(t, rg, r);
+    if (n >= t.n1) continue;
+    const float y = store_plain(t, b, n, v, resid[i]);
+    if (t.argmax) atomicMax(s.best + b, argmax_key(y, n));
+  }
+}
+
+// ---- the task -----------------------------------------------------------------------------------
+__device__ __forceinline__ Task task_of(const mpk::TaskArgs& a) {
+  Task t;
+  t.B = a.i(P_BATCH);
+  t.K = a.i(P_K);
+  t.N = a.i(P_N);
+  t.T = a.i(P_TASKS);
+  t.xc = a.i(P_XC);
+  t.nch = (t.K + t.xc - 1) / t.xc;
+  t.silu = a.i(P_SILU) != 0;
+  t.rms = a.i(P_RMS) != 0;
+  t.res = a.i(P_HAS_RESIDUAL) != 0;
+  t.f32 = a.i(P_OUT_F32) != 0;
+  t.argmax = a.i(P_ARGMAX) != 0;
+  t.eps = a.f(P_EPS);
+  t.align = t.silu ? kRows / 2 : kRows;
+  dev::split_bounds(t.N, t.T, t.align, a.point(0), t.n0, t.n1);
+  t.rgs = (t.n1 - t.n0 + t.align - 1) / t.align;
+  t.x = a.operand<const bf16>(O_X);
+  // Full-tensor pointers: the kernel indexes outputs by their global column.
+  t.out = a.has(O_OUT) ? static_cast<void*>(a.operand<char>(O_OUT) -
+                                            (long long)t.n0 * (t.f32 ? 4 : 2))
+                       : nullptr;
+  t.resid = t.res ? static_cast<const void*>(a.operand<const char>(O_RESIDUAL) -
+                                             (long long)t.n0 * (t.f32 ? 4 : 2))
+                  : nullptr;
+  t.pval = a.operand<float>(O_PART_VAL);
+  t.pidx = a.operand<int>(O_PART_IDX);
+  return t;
+}
+
+// The input of chunk ch staged (and normalised) in xs.
+__device__ __forceinline__ void stage_chunk(const Task& t, const Scratch& s, const bf16* nw,
+                                            int ch) {
+  const int k0 = ch * t.xc, kc = min(t.xc, t.K - k0);
+  const int kfill = (kc + kUnitK - 1) / kUnitK * kUnitK;
+  if (t.rms && t.nch > 1 && ch == 0) {  // the inverse rms needs whole rows first
+    for (int c = 0; c < t.nch; ++c) {
+      const int c0 = c * t.xc, cl = min(t.xc, t.K - c0);
+      stage_raw(t, s, c0, cl, cl);
+      sum_squares(t, s, cl, c > 0);
+      mpk::task_sync();  // xs is restaged next
+    }
+    finish_inv(t, s);
+  }
+  stage_raw(t, s, k0, kc, kfill);
+  if (!t.rms) return;
+  if (t.nch == 1) {
+    sum_squares(t, s, kc, false);
+    finish_inv(t, s);
+  }
+  normalize(t, s, nw, k0, kc);
+}
+
+__device__ __forceinline__ void write_argmax(const Task& t, const Scratch& s,
+                                             unsigned long long (&best)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+      const unsigned long long o = __shfl_xor_sync(0xffffffffu, best[j], off);
+      if (o > best[j]) best[j] = o;
+    }
+    const int b = batch_of(j, tq);
+    if (g == 0 && b < t.B && best[j] != 0ull) atomicMax(s.best + b, best[j]);
+  }
+  mpk::task_sync();
+  const int tid = threadIdx.x;
+  if (tid < t.B) {
+    const unsigned long long key = s.best[tid];
+    t.pval[(long long)tid * t.T] = key_value(key);
+    t.pidx[(long long)tid * t.T] = key_index(key);
   }
 }
 
@@ -440,47 +436,58 @@ __device__ __forceinline__ void run_fast(const Shape& s, char* smem) {
 
 MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   using namespace detail;
-  Shape s;
-  s.B = a.i(P_BATCH);
-  s.K = a.i(P_K);
-  s.N = a.i(P_N);
-  s.M = a.i(P_M);
-  s.tm = a.i(P_TILE_M);
-  s.tn = a.i(P_TILE_N);
-  s.R = s.tm * s.tn;
-  s.r0 = 0;
-  s.prologue = a.i(P_PROLOGUE);
-  s.res = a.i(P_HAS_RESIDUAL) != 0 && a.has(O_RESIDUAL);
-  s.f32 = a.i(P_OUT_F32) != 0;
-  s.eps = a.f(P_EPS);
-  s.x = a.operand<const bf16>(O_X);
-  s.nw = a.operand<const bf16>(O_NORM_WEIGHT);
-  s.w = a.operand<const bf16>(O_WEIGHT);
-  // Typed operand pointers: the tile offset is in elements of the tensor's dtype.
-  if (s.f32) {
-    s.out = a.operand<float>(O_OUT);
-    s.resid = s.res ? static_cast<const void*>(a.operand<const float>(O_RESIDUAL)) : nullptr;
-  } else {
-    s.out = a.operand<bf16>(O_OUT);
-    s.resid = s.res ? static_cast<const void*>(a.operand<const bf16>(O_RESIDUAL)) : nullptr;
-  }
-  if (s.prologue == kPrologueRms && s.nw == nullptr) s.prologue = kPrologueNone;
-  if (s.B <= 0 || s.R <= 0 || s.K <= 0) return;  // uniform across the CTA
-
-  const bool fast = (s.K % 8 == 0) && dev::aligned16(s.w) && dev::aligned16(s.x) &&
-                    (s.prologue != kPrologueRms || dev::aligned16(s.nw));
-  if (!fast) {
-    run_slow(s, a.smem);
+  const Task t = task_of(a);
+  mpk::PageCursor pc = a.pages;
+  if (t.rgs <= 0) {  // uniform; the (norm) page is still visited
+    pc.finish();
     return;
   }
-  const int rows = s.R;
-  const bool halves2 = rows % 16 == 0;
-  for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
-    s.r0 = r0;
-    s.R = min(kRowBlock, rows - r0);
-    if (halves2) run_fast<2>(s, a.smem);
-    else run_fast<1>(s, a.smem);
+  const Scratch s = carve(t, a.smem);
+  const int tid = threadIdx.x, warp = tid >> 5;
+  if (tid < kMaxB) s.best[tid] = 0ull;
+  const bf16* nw = nullptr;
+  if (t.rms) {  // page 0: the norm weight
+    nw = static_cast<const bf16*>(__cvta_shared_to_generic(pc.at(0)));
+    if (t.nch > 1) {  // kept past page 0's release
+      for (int v = tid; v < t.K / 8; v += NUM_THREADS)
+        reinterpret_cast<uint4*>(s.nw)[v] = reinterpret_cast<const uint4*>(nw)[v];
+      nw = s.nw;
+    }
   }
+  const int pbase = t.rms ? 1 : 0;
+  unsigned long long best[4] = {0ull, 0ull, 0ull, 0ull};
+  int u0 = 0, buf = 0;
+  for (int ch = 0; ch < t.nch; ++ch) {
+    stage_chunk(t, s, nw, ch);
+    const int kc = min(t.xc, t.K - ch * t.xc);
+    const int nk = (kc + kUnitK - 1) / kUnitK;
+    int rg0 = 0;
+#pragma unroll 1
+    for (int nb = 8; nb >= 1; nb >>= 1) {
+#pragma unroll 1
+      for (; t.rgs - rg0 >= nb; rg0 += nb, u0 += nb * nk) {
+        Acc acc;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc.c[j] = acc.d[j] = 0.f;
+        if (nb == kWarps) {
+          const int rg = rg0 + (((warp - u0) % kWarps) + kWarps) % kWarps;
+          float resid[4];
+          prefetch_own(t, rg, resid);
+          mma_block(t, s, pc, pbase, u0, nb, nk, acc);
+          finish_own(t, s, rg, acc, resid, ch, best);
+        } else {
+          float resid[2];
+          prefetch_shared(t, rg0, nb, resid);
+          mma_block(t, s, pc, pbase, u0, nb, nk, acc);
+          finish_shared(t, s, rg0, u0, nb, acc, buf, resid, ch);
+          buf ^= 1;
+        }
+      }
+    }
+    mpk::task_sync();  // xs and acc are rewritten by the next chunk
+  }
+  pc.finish();
+  if (t.argmax) write_argmax(t, s, best);
 }
 
 }  // namespace mpk::kinds::linear

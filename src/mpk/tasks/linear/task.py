@@ -1,26 +1,45 @@
-"""linear: out = prologue(x) @ weight^T (+ residual), fp32 accumulation.
+"""linear: out = epilogue(prologue(x) @ weight^T), fp32 accumulation.
 
-weight [N, K] with out [B, N], or a stack weight [M, N, K] with out [B, M, N] (several matrices
-sharing one input, e.g. gate/up or grouped QKV). Prologues, fused so they cost no extra phase:
+weight [N, K] with out [B, N]; with epilogue='silu_mul' a gate/up stack weight [2, N, K] and
+out [B, N] = silu(gate) * up. The grid (T,) cuts the N outputs into T contiguous ranges that
+start at multiples of 8 (4 for silu_mul) and differ by at most that much (split_bounds), so an
+op can be spread over exactly one task per SM.
+Prologues (fused, so they cost no extra phase):
   none:     x [B, K]
   rmsnorm:  x [B, K], norm_weight [K]: the input is rmsnorm(x) (see tasks/rmsnorm)
-  silu_mul: x [B, 2, K]: the input is silu(x[:, 0]) * x[:, 1] (see tasks/silu_mul)
-The product is rounded to the output dtype before the residual is added (as a bf16 model does).
-The grid splits weight rows (N, and M for stacks); out and residual follow; x is never split.
+Epilogues:
+  none:     the product is rounded to out's dtype, then `residual` (optional) is added
+  silu_mul: bf16(bf16(silu(bf16(x@gate))) * bf16(x@up)), as the unfused gate_up + silu_mul ops
+  argmax:   also writes each task's best output and its global index to part_val / part_idx
+            [B, T] (ties: lowest index; NaN wins), for argmax_reduce
+On the GPU the weights come as a stream of shared-memory pages in the order of geometry.py.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from mpk.dtypes import DType
-from mpk.tasks.base import Access, OpView, OperandSpec, Param, TaskCost, TaskKind, Tile
+from mpk.tasks.base import (PAGE_BYTES, Access, OpView, OperandSpec, Param, StreamLayout,
+                            TaskCost, TaskKind, Tile, split_bounds)
+from mpk.tasks.linear import geometry as geo
 from mpk.tasks.numerics import bf16, rmsnorm_rows, silu_mul
 from mpk.tasks.registry import register
 
-PROLOGUES = ("none", "rmsnorm", "silu_mul")
+PROLOGUES = ("none", "rmsnorm")
+EPILOGUES = ("none", "silu_mul", "argmax")
+X_BUDGET = 72 * 1024  # shared memory for the staged input rows (bytes)
+X_PAD = 32  # bf16 elements of padding per staged row (bank spread, see sm90.cuh)
+PART_BYTES = 2 * geo.WARPS * geo.ROWS * 16 * 4  # cross-warp partial sums, two buffers
+MAX_BATCH = 16
+MAX_NORM_K = PAGE_BYTES // 2
+
+
+def chunk_k(batch: int, k: int) -> int:
+    """k per staged chunk of the input: all of K when B rows fit X_BUDGET, else equal chunks."""
+    max_xc = max(256, (X_BUDGET // (2 * batch) - X_PAD) // 256 * 256)
+    chunks = -(-k // max_xc)
+    return -(-(-(-k // chunks)) // geo.UNIT_K) * geo.UNIT_K
 
 
 @register
@@ -32,99 +51,171 @@ class Linear(TaskKind):
         OperandSpec("weight", Access.READ, weight=True),
         OperandSpec("residual", Access.READ, optional=True),
         OperandSpec("out", Access.WRITE),
+        OperandSpec("part_val", Access.WRITE, optional=True),
+        OperandSpec("part_idx", Access.WRITE, optional=True),
     )
     params = (
-        Param("batch"), Param("k"), Param("n"), Param("m"),
-        Param("tile_m"), Param("tile_n"), Param("prologue"), Param("has_residual"),
-        Param("out_f32"), Param("eps", is_float=True),
+        Param("batch"), Param("k"), Param("n"), Param("tasks"), Param("silu"), Param("rms"),
+        Param("xc"), Param("has_residual"), Param("out_f32"), Param("argmax"),
+        Param("eps", is_float=True),
     )
-    attrs = {"prologue": "none", "eps": 1e-6}
+    attrs = {"prologue": "none", "epilogue": "none", "eps": 1e-6}
 
     def default_splits(self, grid, tensors):
-        if len(tensors["weight"].shape) == 2:
-            return {"weight": (0, None, None), "out": (1, None, None),
-                    "residual": (1, None, None)}
-        return {"weight": (0, 1, None), "out": (1, 2, None), "residual": (1, 2, None)}
+        row_dim = len(tensors["weight"].shape) - 2
+        return {"weight": (row_dim, None, None), "out": (1, None, None),
+                "residual": (1, None, None), "part_val": (1, None, None),
+                "part_idx": (1, None, None)}
+
+    def split_align(self, op: OpView, operand: str) -> int | None:
+        if operand in ("weight", "out", "residual"):
+            return geo.ROWS // 2 if op.attrs["epilogue"] == "silu_mul" else geo.ROWS
+        return None
 
     def check(self, op: OpView) -> None:
-        prologue = op.attrs["prologue"]
+        prologue, epilogue = op.attrs["prologue"], op.attrs["epilogue"]
         if prologue not in PROLOGUES:
             raise op.error(f"prologue {prologue!r} is not one of {PROLOGUES}")
+        if epilogue not in EPILOGUES:
+            raise op.error(f"epilogue {epilogue!r} is not one of {EPILOGUES}")
         wshape = op.shape("weight")
-        if len(wshape) not in (2, 3):
-            raise op.error(f"weight must be [N, K] or [M, N, K], got {wshape}")
-        k = wshape[-1]
+        silu = epilogue == "silu_mul"
+        if silu and (len(wshape) != 3 or wshape[0] != 2):
+            raise op.error(f"epilogue 'silu_mul' needs a gate/up weight [2, N, K], got {wshape}")
+        if not silu and len(wshape) != 2:
+            raise op.error(f"weight must be [N, K] (a stack [2, N, K] only with epilogue "
+                           f"'silu_mul'), got {wshape}")
+        n, k = wshape[-2], wshape[-1]
         batch = op.shape("x")[0]
-        if prologue == "silu_mul":
-            op.expect_shape("x", (batch, 2, k))
-        elif math.prod(op.shape("x")[1:]) != k:
+        if op.shape("x") != (batch, k):
             raise op.error(f"tensor '{op.tensors['x'].name}' (operand 'x') has shape "
                            f"{op.shape('x')}, but weight '{op.tensors['weight'].name}' "
-                           f"{wshape} needs K={k} values per row")
-        op.expect_shape("out", (batch, *wshape[:-1]))
+                           f"{wshape} needs [B, {k}]")
+        if not 1 <= batch <= MAX_BATCH:
+            raise op.error(f"batch {batch}: the linear kernel takes 1 to {MAX_BATCH} rows")
+        if k % 8:
+            raise op.error(f"K={k} must be a multiple of 8 (the kernel stages inputs in 16-byte "
+                           f"vectors)")
+        op.expect_shape("out", (batch, n))
         op.expect_dtype("x", DType.BF16)
         op.expect_dtype("weight", DType.BF16)
-        op.expect_dtype("out", DType.BF16, DType.F32)
+        op.expect_dtype("out", DType.BF16, *(() if silu else (DType.F32,)))
         if (prologue == "rmsnorm") != op.has("norm_weight"):
             raise op.error("norm_weight is given exactly when prologue='rmsnorm'")
         if op.has("norm_weight"):
             op.expect_shape("norm_weight", (k,))
             op.expect_dtype("norm_weight", DType.BF16)
+            if k > MAX_NORM_K:
+                raise op.error(f"an rmsnorm prologue takes K <= {MAX_NORM_K} (its weight comes "
+                               f"as one {PAGE_BYTES // 1024} KB page), got K={k}")
         if op.has("residual"):
+            if epilogue != "none":
+                raise op.error(f"a residual is added only with epilogue 'none', not {epilogue!r}")
             op.expect_shape("residual", op.shape("out"))
             op.expect_dtype("residual", op.tensors["out"].dtype)
-        self._check_splits(op, len(wshape))
+        self._check_argmax(op, batch)
+        self._check_splits(op)
 
-    def _check_splits(self, op: OpView, rank: int) -> None:
-        op.expect_unsplit("x", *range(len(op.shape("x"))))
-        op.expect_unsplit("weight", rank - 1)
+    def _check_argmax(self, op: OpView, batch: int) -> None:
+        argmax = op.attrs["epilogue"] == "argmax"
+        if argmax != op.has("part_val") or argmax != op.has("part_idx"):
+            raise op.error("part_val and part_idx are given exactly when epilogue='argmax'")
+        if argmax:
+            op.expect_shape("part_val", (batch, op.grid[0]))
+            op.expect_shape("part_idx", (batch, op.grid[0]))
+            op.expect_dtype("part_val", DType.F32)
+            op.expect_dtype("part_idx", DType.I32)
+
+    def _check_splits(self, op: OpView) -> None:
+        if op.grid[1] != 1 or op.grid[2] != 1:
+            raise op.error(f"the grid cuts the outputs only: use grid (tasks,), got {op.grid}")
+        rank = len(op.shape("weight"))
+        op.expect_unsplit("x", 0, 1)
+        op.expect_unsplit("weight", *[d for d in range(rank) if d != rank - 2])
         op.expect_unsplit("out", 0)
-        for wdim in range(rank - 1):
-            op.expect_same_split("weight", wdim, "out", wdim + 1)
-            if op.has("residual"):
-                op.expect_same_split("residual", wdim + 1, "out", wdim + 1)
+        if op.axis_of("weight", rank - 2) != op.axis_of("out", 1):
+            raise op.error("weight rows (dim -2) and out dim 1 must be split by the same axis")
+        for name in ("residual", "part_val", "part_idx"):
+            if op.has(name):
+                op.expect_unsplit(name, 0)
+                op.expect_same_split(name, 1, "out", 1)
         if op.has("norm_weight"):
             op.expect_unsplit("norm_weight", 0)
 
+    # ---- geometry and the CUDA side -----------------------------------------------------------
+    def shape_of(self, op: OpView) -> geo.LinearShape:
+        wshape = op.shape("weight")
+        return geo.LinearShape(n=wshape[-2], k=wshape[-1], tasks=op.grid[0],
+                               silu=op.attrs["epilogue"] == "silu_mul",
+                               rms=op.attrs["prologue"] == "rmsnorm",
+                               xc=chunk_k(op.shape("x")[0], wshape[-1]))
+
     def param_values(self, op: OpView) -> dict[str, int | float]:
-        wshape, tile = op.shape("weight"), op.tile_shape("weight")
+        s = self.shape_of(op)
         return {
-            "batch": op.shape("x")[0], "k": wshape[-1], "n": wshape[-2],
-            "m": wshape[0] if len(wshape) == 3 else 1,
-            "tile_m": tile[0] if len(tile) == 3 else 1, "tile_n": tile[-2],
-            "prologue": PROLOGUES.index(op.attrs["prologue"]),
+            "batch": op.shape("x")[0], "k": s.k, "n": s.n, "tasks": s.tasks,
+            "silu": int(s.silu), "rms": int(s.rms), "xc": s.xc,
             "has_residual": int(op.has("residual")),
-            "out_f32": int(op.tensors["out"].dtype is DType.F32), "eps": op.attrs["eps"],
+            "out_f32": int(op.tensors["out"].dtype is DType.F32),
+            "argmax": int(op.attrs["epilogue"] == "argmax"), "eps": op.attrs["eps"],
         }
+
+    def stream_layout(self, op: OpView) -> StreamLayout:
+        s = self.shape_of(op)
+        sizes = [geo.task_stream_bytes(s, t) for t in range(s.tasks)]
+        offsets = [sum(sizes[:t]) for t in range(s.tasks)]
+        sources = ("weight", "norm_weight") if s.rms else ("weight",)
+        return StreamLayout(sources, tuple(offsets),
+                            tuple(tuple(geo.task_runs(s, t)) for t in range(s.tasks)),
+                            sum(sizes))
+
+    def build_stream(self, op: OpView, sources) -> torch.Tensor:
+        return geo.build_stream(self.shape_of(op), sources["weight"], sources.get("norm_weight"))
+
+    def scratch_bytes(self, op: OpView) -> int:
+        s = self.shape_of(op)
+        batch = op.shape("x")[0]
+        x_bytes = batch * (s.xc + X_PAD) * 2
+        extra = 0
+        if len(geo.chunks(s)) > 1:  # fp32 sums across chunks, and the norm weight kept
+            rgs = max(geo.task_row_groups(s, t) for t in range(s.tasks))
+            extra = rgs * geo.ROWS * batch * 4 + (2 * s.k if s.rms else 0)
+        return x_bytes + PART_BYTES + extra + 2048
 
     def reference(self, tile: Tile) -> None:
         x = linear_input(tile)
         w = tile["weight"]
         k = w.shape[-1]
-        y = (x @ w.reshape(-1, k).float().T).reshape(x.shape[0], *w.shape[:-1])
+        y = x @ w.reshape(-1, k).float().T
         out = tile["out"]
+        if tile.attr("epilogue") == "silu_mul":
+            n = w.shape[1]
+            out.copy_(silu_mul(bf16(y[:, :n]), bf16(y[:, n:])))
+            return
         if out.dtype == torch.bfloat16:
             y = bf16(y)
         if tile.has("residual"):
             y = y + tile["residual"].float()
         out.copy_(y)
+        if tile.attr("epilogue") == "argmax":
+            val, idx = out.float().max(dim=1)
+            first = split_bounds(tile.op.shape("out")[1], tile.op.grid[0],
+                                 self.split_align(tile.op, "out"), tile.point[0])[0]
+            tile["part_val"][:, 0].copy_(val)
+            tile["part_idx"][:, 0].copy_(idx.int() + first)
 
     def cost(self, op: OpView) -> TaskCost:
-        tile = op.tile_shape("weight")
-        rows = tile[0] * tile[1] if len(tile) == 3 else tile[0]
-        k, batch = tile[-1], op.shape("x")[0]
-        x_elems = batch * k * (2 if op.attrs["prologue"] == "silu_mul" else 1)
+        s = self.shape_of(op)
+        batch = op.shape("x")[0]
+        rows = -(-s.n // s.tasks) * (2 if s.silu else 1)
         out_bytes = batch * rows * op.tensors["out"].dtype.itemsize
-        return TaskCost(weight_bytes=2 * rows * k, act_bytes=2 * x_elems + 2 * out_bytes,
-                        flops=2 * batch * rows * k)
+        return TaskCost(weight_bytes=2 * rows * s.k, act_bytes=2 * batch * s.k + 2 * out_bytes,
+                        flops=2 * batch * rows * s.k)
 
 
 def linear_input(tile: Tile) -> torch.Tensor:
     """The fp32 (bf16-valued) input rows after the prologue."""
-    prologue = tile.attr("prologue")
     x = tile["x"]
-    if prologue == "rmsnorm":
+    if tile.attr("prologue") == "rmsnorm":
         return rmsnorm_rows(x, tile["norm_weight"], tile.attr("eps"))
-    if prologue == "silu_mul":
-        return silu_mul(x[:, 0], x[:, 1])
-    return x.reshape(x.shape[0], -1).float()
+    return x.float()

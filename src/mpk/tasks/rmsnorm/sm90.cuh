@@ -38,14 +38,14 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
       }
       ss = dev::warp_sum(ss);
       if (lane == 0) red[warp] = ss;
-      __syncthreads();
+      mpk::task_sync();
       float t = 0.f;
       for (int i = 0; i < kWarps; ++i) t += red[i];
       const float inv = dev::rms_inv(t, H, eps);
       for (int k = tid; k < H; k += NUM_THREADS)
         out[(long long)r * H + k] =
             dev::to_bf16(dev::rmsnorm_elem(dev::ld_act_bf16f(xr + k), inv, dev::ld_weight_bf16f(w + k)));
-      __syncthreads();
+      mpk::task_sync();
     }
     return;
   }
@@ -62,7 +62,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
     for (int idx = tid; idx < nr * vpr; idx += NUM_THREADS)
       dev::cp_async_act16(xs + (long long)idx * 8, src + (long long)idx * 8);
     dev::cp_async_wait_all();
-    __syncthreads();
+    mpk::task_sync();
     for (int r = 0; r < nr; ++r) {
       float ss = 0.f;
       for (int v = tid; v < vpr; v += NUM_THREADS) {
@@ -74,13 +74,13 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
       ss = dev::warp_sum(ss);
       if (lane == 0) red[r * kWarps + warp] = ss;
     }
-    __syncthreads();
+    mpk::task_sync();
     if (tid < nr) {
       float t = 0.f;
       for (int i = 0; i < kWarps; ++i) t += red[tid * kWarps + i];
       inv[tid] = dev::rms_inv(t, H, eps);
     }
-    __syncthreads();
+    mpk::task_sync();
     for (int idx = tid; idx < nr * vpr; idx += NUM_THREADS) {
       const int r = idx / vpr, v = idx - r * vpr;
       float fx[8], fw[8], fo[8];
@@ -91,7 +91,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
       for (int e = 0; e < 8; ++e) fo[e] = dev::rmsnorm_elem(fx[e], ir, fw[e]);
       *reinterpret_cast<uint4*>(out + (long long)(r0 + r) * H + v * 8) = dev::pack8(fo);
     }
-    __syncthreads();  // xs / red are reused by the next group
+    mpk::task_sync();  // xs / red are reused by the next group
   }
 }
 

@@ -10,7 +10,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   const int* x = a.operand<const int>(O_X);
   int* out = a.operand<int>(O_OUT);
   const int n = a.i(P_TILE_I);
-  for (int e = threadIdx.x; e < n; e += blockDim.x) out[e] = __ldcg(x + e) + 1;
+  for (int e = threadIdx.x; e < n; e += NUM_THREADS) out[e] = __ldcg(x + e) + 1;
 }
 
 }  // namespace mpk::kinds::silu_mul

@@ -15,14 +15,14 @@ extern "C" int mpk_launch(const mpk::Params* p, int num_sms, int device, void* s
   static bool smem_set[64] = {};
   if (device < 0 || device >= 64 || !smem_set[device]) {
     e = cudaFuncSetAttribute(mpk_megakernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             SMEM_BYTES);
+                             DYN_SMEM_BYTES);
     if (e != cudaSuccess) return (int)e;
     if (device >= 0 && device < 64) smem_set[device] = true;
   }
   mpk::Params params = *p;  // the launch copies the arguments before returning
   void* args[] = {&params};
   e = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(mpk_megakernel), dim3(num_sms),
-                                  dim3(NUM_THREADS), args, SMEM_BYTES,
+                                  dim3(mpk::RUNTIME_THREADS), args, DYN_SMEM_BYTES,
                                   reinterpret_cast<cudaStream_t>(stream));
   return (int)e;
 }
@@ -34,10 +34,10 @@ extern "C" int mpk_kernel_info(int device, int* blocks_per_sm, int* registers, i
   cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess) return (int)e;
   e = cudaFuncSetAttribute(mpk_megakernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           SMEM_BYTES);
+                           DYN_SMEM_BYTES);
   if (e != cudaSuccess) return (int)e;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, mpk_megakernel, NUM_THREADS,
-                                                    SMEM_BYTES);
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, mpk_megakernel,
+                                                    mpk::RUNTIME_THREADS, DYN_SMEM_BYTES);
   if (e != cudaSuccess) return (int)e;
   cudaFuncAttributes attr;
   e = cudaFuncGetAttributes(&attr, mpk_megakernel);
@@ -55,8 +55,8 @@ extern "C" int mpk_abi_version() { return MPK_ABI_VERSION; }
 extern "C" int mpk_record_words() { return REC_WORDS; }
 extern "C" int mpk_params_bytes() { return (int)sizeof(mpk::Params); }
 extern "C" int mpk_error_words() { return ERR_WORDS; }
-extern "C" int mpk_num_threads() { return NUM_THREADS; }
-extern "C" int mpk_smem_bytes() { return SMEM_BYTES; }
+extern "C" int mpk_num_threads() { return mpk::RUNTIME_THREADS; }
+extern "C" int mpk_smem_bytes() { return DYN_SMEM_BYTES; }
 // 1 when built with MPK_PROFILE (Params::profile is written), else 0.
 extern "C" int mpk_profile_enabled() {
 #ifdef MPK_PROFILE

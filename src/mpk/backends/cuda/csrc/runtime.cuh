@@ -1,35 +1,46 @@
-// The persistent megakernel: one CTA per SM walks its own list of task records.
+// The persistent megakernel: one CTA per SM walks its own list of task records with warp roles.
 //
 // Included by the generated megakernel.cu AFTER the generated constants (REC_*, ERR_*,
-// NUM_THREADS, SMEM_BYTES, PARAM_WORDS) and AFTER mpk::dispatch(kind, args) is defined.
+// NUM_THREADS, NUM_PAGES, PAGE_BYTES, SMEM_BYTES, ...) and AFTER mpk::dispatch(kind, args).
 //
-// Protocol (see mpk/backends/base.py for the step/counter semantics):
-//   for local step s in [0, num_steps), global step g = step_begin + s,
-//     for each record of this SM's list, in order:
-//       thread 0: L2-prefetch the NEXT record's weight ranges (weights never depend on this
-//                 step's activations, so they may stream while we wait), then wait until
-//                 counters[c] >= (g + 1 - prev) * count for each (c, count, prev) of the record
-//                 (ld.acquire.gpu, bounded by the watchdog);
-//       __syncthreads; all threads run the task; __syncthreads;
-//       thread 0: __threadfence, then red.release.gpu add 1 to each signal counter.
-//   Counters are never reset: they are monotonic over the executor's lifetime.
-//   Profiling builds (MPK_PROFILE) also stamp %globaltimer per record into Params::profile:
-//   WAIT before the prefetch and the waits, RUN after the barrier that follows them, END after
-//   the signals (mpk/profile/timeline.py reads them).
+// Roles (RUNTIME_THREADS = NUM_THREADS consumers + one warpgroup of producers):
+//   consumers  (warps 0 .. NUM_THREADS/32-1) run the tasks, one record at a time, in list order;
+//   controller (warp CONTROLLER_WARP) fetches record k into ring slot k % NUM_SLOTS, resolves
+//              its params and operand pointers into the slot, waits on its counters and marks
+//              it ready; it runs up to NUM_SLOTS records ahead of the consumers;
+//   loader     (one lane of LOADER_WARP) streams every record's weight pages (record
+//              STREAM_RUNS) into a ring of NUM_PAGES shared-memory pages with bulk copies, as far
+//              ahead as free pages allow: across tasks, ops and layers, because weights never
+//              depend on activations;
+//   storer     (one lane of STORER_WARP) waits until the consumers finish a record, fences and
+//              release-adds its signal counters, and frees the slot.
+// Hand-offs are mbarriers (parity waits; every role walks the same records in the same order):
+//   slot s:  loaded (controller -> loader), ready (controller -> consumers),
+//            done (8 consumer warps -> storer), freed (storer -> controller)
+//   page p:  full (loader's bulk copy -> consumers, with a byte count),
+//            empty (8 consumer warps -> loader)
+// Step protocol (see mpk/backends/base.py): for local step s in [0, num_steps), global step
+// g = step_begin + s, every record of this SM's list, in order; a wait (c, count, prev) needs
+// counters[c] >= (g + 1 - prev) * count. Counters are monotonic over the executor's lifetime.
 //
 // MEMORY-ORDERING CONTRACT FOR TASK KERNELS (sm90.cuh authors, read this):
-//   * Only thread 0 performs the acquire; the CTA-wide __syncthreads that follows orders the
-//     other threads after it. Activations (anything another task writes: ACTIVATION and IO
-//     tensors, KV caches, tokens) MUST be read with L2-coherent loads: __ldcg / ld.global.cg,
-//     or ld.acquire / ld.relaxed.gpu. Never use __ldg / ld.global.nc / const __restrict__ reads
-//     for them: the non-coherent path and stale L1 lines can return the previous step's data.
-//   * WEIGHT tensors are immutable during a launch: __ldg, TMA and any cached path are fine.
-//   * Writes may be plain stores; the runtime's __syncthreads + __threadfence + release add
-//     publishes them. Writes through the async proxy (TMA stores, cp.async.bulk to global)
-//     must be completed and fenced by the task itself (cp.async.bulk.wait_group 0 and
-//     fence.proxy.async) before it returns.
-//   * A task must be written for exactly NUM_THREADS threads, may call __syncthreads, and owns
-//     the whole dynamic shared memory (a.smem, SMEM_BYTES) for its duration only.
+//   * The controller's ld.acquire.gpu of the counters, then its mbarrier arrive (release.cta)
+//     and the consumers' wait (acquire.cta) order every task thread after the producers' writes.
+//     Activations (anything another task writes: ACTIVATION and IO tensors, KV caches, tokens)
+//     MUST be read with L2-coherent loads: __ldcg / ld.global.cg, or ld.acquire / ld.relaxed.gpu.
+//     Never __ldg / ld.global.nc for them: the non-coherent path can return stale data.
+//   * WEIGHT tensors are immutable during a launch: __ldg and any cached path are fine; weight
+//     pages are ready to read once PageCursor::at returns.
+//   * Writes may be plain stores: each consumer warp's __syncwarp + arrive on `done`, then the
+//     storer's __threadfence + red.release.gpu publish them. Writes through the async proxy must
+//     be completed and fenced by the task itself before it returns.
+//   * A task runs on exactly NUM_THREADS threads, synchronises them with mpk::task_sync() (never
+//     __syncthreads), owns a.smem (SMEM_BYTES) for its duration only, and has every warp visit
+//     every weight page of its record in order (its copy of a.pages, finish() before returning).
+// Failures: a counter wait that exceeds the watchdog (or sees another CTA's abort) stops the
+// controller; it marks the slot stopped, the consumers leave when they reach it, then the loader
+// and the storer leave. A wait that can only hang through a bug in this file traps after
+// INTERNAL_TIMEOUT_FACTOR watchdog periods (the host sees a launch failure, never a hang).
 #pragma once
 #include <stdint.h>
 
@@ -39,72 +50,78 @@
 
 namespace mpk {
 
-// Record ring in static shared memory. Four slots: while record k runs, warp 1 fills slot k+2
-// and thread 0 reads slot k+1's prefetch ranges; after the task, thread 0 still reads record
-// k's signals while warp 1 may already fill slot k+3. No slot is ever shared.
-constexpr int RING = 4;
-// Bulk L2 prefetches are issued in chunks of this many bytes (a multiple of 16).
-constexpr uint32_t PREFETCH_CHUNK = 32u * 1024u;
-// Counter values thread 0 has already acquired, direct-mapped by counter id. Counters only
-// grow, so a wait whose target is already covered needs no new acquire: the earlier acquire
-// load already ordered this CTA after the producers (saves an L2 round trip per task when
-// several tasks of one op run on the same SM).
+constexpr int NUM_SLOTS = 8;  // record ring (power of two)
+constexpr int CONSUMER_WARPS = NUM_THREADS / 32;
+constexpr int CONTROLLER_WARP = CONSUMER_WARPS;
+constexpr int LOADER_WARP = CONSUMER_WARPS + 1;
+constexpr int STORER_WARP = CONSUMER_WARPS + 2;
+constexpr int RUNTIME_THREADS = NUM_THREADS + 128;  // + one producer warpgroup
+constexpr int INTERNAL_TIMEOUT_FACTOR = 8;
+// Register budgets per role (setmaxnreg): 8 x 32 x 224 + 4 x 32 x 56 = 64,512 of 65,536.
+constexpr uint32_t CONSUMER_REGS = 224;
+constexpr uint32_t PRODUCER_REGS = 56;
+// Counter values the controller has already acquired, direct-mapped by counter id: a wait whose
+// target is covered needs no new acquire (the earlier one already ordered this CTA).
 constexpr int SEEN = 32;
-static_assert(REC_WORDS % 4 == 0, "records are copied as int4");
-static_assert(REC_MAX_PREFETCH <= REC_WORDS / 4, "prefetch ranges are resolved by copy lanes");
+static_assert(NUM_THREADS % 128 == 0, "consumers are whole warpgroups (setmaxnreg)");
+static_assert(REC_WORDS % 4 == 0 && PARAM_WORDS % 4 == 0, "records are copied as int4");
+static_assert(REC_WORDS / 4 <= 32 && REC_MAX_OPERANDS < 32, "one controller lane per piece");
 
-struct __align__(16) Slot {  // 16-byte aligned: records are copied as int4
+struct __align__(16) Slot {
   int rec[REC_WORDS];
-  // Prefetch ranges resolved to 16-byte aligned addresses (bytes == 0: none), so thread 0 does
-  // not load the tensor table on its critical path.
-  unsigned long long pf_addr[REC_MAX_PREFETCH];
-  unsigned pf_bytes[REC_MAX_PREFETCH];
+  int params[PARAM_WORDS];
+  unsigned long long base[REC_MAX_OPERANDS];  // operand tensors' base pointers (0: absent)
+  unsigned long long stream;                  // this task's weight stream (0: none)
+  unsigned long long t_wait, t_run;           // profiling stamps
+  int step, index, stop, pad;
 };
 
-static_assert(sizeof(Slot) % 16 == 0, "ring slots must stay 16-byte aligned");
+// Barrier block in static shared memory: full[NUM_PAGES], empty[NUM_PAGES] (PageCursor relies
+// on empty following full), then loaded, ready, done, freed [NUM_SLOTS] each.
+struct Bars {
+  unsigned long long full[NUM_PAGES], empty[NUM_PAGES];
+  unsigned long long loaded[NUM_SLOTS], ready[NUM_SLOTS], done[NUM_SLOTS], freed[NUM_SLOTS];
+};
+
+struct Shared {
+  Slot slot[NUM_SLOTS];
+  Bars bars;
+  int seen_ctr[SEEN];
+  unsigned long long seen_val[SEEN];
+  int stop;            // the controller stopped (release/acquire, CTA scope)
+  int consumers_gone;  // the consumers left after a stop
+};
 
 __device__ __forceinline__ long long join64(int lo, int hi) {
   return (long long)((unsigned long long)(unsigned)lo | ((unsigned long long)(unsigned)hi << 32));
 }
 
-// Fill a ring slot from record `src` with REC_WORDS/4 lanes (lane = 0 .. REC_WORDS/4 - 1).
-// Records and the tensor table are immutable during a launch, so the read-only path is fine.
-__device__ __forceinline__ void fetch_slot(Slot& dst, const int* src, void* const* tensors,
-                                           int lane) {
-  reinterpret_cast<int4*>(dst.rec)[lane] = __ldg(reinterpret_cast<const int4*>(src) + lane);
-  if (lane < REC_MAX_PREFETCH) {
-    const int* f = src + REC_PREFETCH + lane * REC_PREFETCH_STRIDE;
-    const int id = __ldg(f);
-    const unsigned bytes = (unsigned)__ldg(f + 3);
-    unsigned long long lo = 0, hi = 0;
-    if (id >= 0 && bytes != 0) {
-      // Widened to 16-byte boundaries (allocations are >= 256-byte aligned, so this stays
-      // inside the allocation).
-      const unsigned long long base =
-          __ldg(reinterpret_cast<const unsigned long long*>(tensors) + id);
-      const unsigned long long start = base + join64(__ldg(f + 1), __ldg(f + 2));
-      lo = start & ~15ull;
-      hi = (start + bytes + 15) & ~15ull;
-    }
-    dst.pf_addr[lane] = lo;
-    dst.pf_bytes[lane] = (unsigned)(hi - lo);
-  }
-}
-
-// Thread 0: start streaming a slot's weight ranges into L2 (asynchronous; returns at once).
-__device__ __forceinline__ void prefetch_slot(const Slot& slot) {
+__device__ __forceinline__ int pages_of(const int* rec) {
+  int n = 0;
 #pragma unroll
-  for (int j = 0; j < REC_MAX_PREFETCH; ++j) {
-    const unsigned long long end = slot.pf_addr[j] + slot.pf_bytes[j];
-    for (unsigned long long a = slot.pf_addr[j]; a < end; a += PREFETCH_CHUNK) {
-      const unsigned long long n = end - a < PREFETCH_CHUNK ? end - a : PREFETCH_CHUNK;
-      ptx::prefetch_l2_bulk(reinterpret_cast<const void*>(a), (uint32_t)n);
-    }
+  for (int r = 0; r < REC_MAX_RUNS; ++r) n += rec[REC_STREAM_RUNS + REC_RUN_STRIDE * r];
+  return n;
+}
+
+// Wait for a phase that can only fail to come through a runtime bug: trap after the limit.
+__device__ __forceinline__ void wait_or_trap(uint32_t bar, uint32_t parity, long long limit_ns) {
+  if (ptx::mbar_try_wait(bar, parity)) return;
+  const unsigned long long t0 = ptx::globaltimer();
+  while (!ptx::mbar_try_wait(bar, parity)) {
+    if (ptx::globaltimer() - t0 > (unsigned long long)limit_ns) __trap();
   }
 }
 
-// Thread 0: note where this CTA stopped, so the host can tell the root cause of a hang from the
-// CTAs that were merely waiting behind it.
+// Wait for a phase, or return false once the consumers have left after a stop.
+__device__ __forceinline__ bool wait_unless_gone(uint32_t bar, uint32_t parity, const int* gone) {
+  while (!ptx::mbar_try_wait(bar, parity)) {
+    if (ptx::ld_acquire_cta(gone)) return ptx::mbar_try_wait(bar, parity);
+  }
+  return true;
+}
+
+// Note where this CTA stopped, so the host can tell the root cause of a hang from the CTAs that
+// were merely waiting behind it.
 __device__ __forceinline__ void record_stop(const Params& p, int status, int sm, int index, int s,
                                             int wait) {
   int* st = p.sm_state + sm * SMS_WORDS;
@@ -114,29 +131,10 @@ __device__ __forceinline__ void record_stop(const Params& p, int status, int sm,
   st[SMS_STATUS] = status;
 }
 
-#ifdef MPK_PROFILE
-// Thread 0 of a profiling build: store the three stamps of record `index` in local step s.
-// Called once, after the task: the WAIT and RUN stamps wait in shared memory meanwhile, so no
-// stamp and no address is live in registers across a task (the kernel already uses all 255
-// registers, so anything live across a task body would spill).
-__device__ __forceinline__ void profile_record(const Params& p, int s, int sm, int index,
-                                               unsigned long long t_wait,
-                                               unsigned long long t_run,
-                                               unsigned long long t_end) {
-  if (p.profile == nullptr) return;
-  unsigned long long* row =
-      p.profile + (((long long)s * gridDim.x + sm) * p.max_len + index) * PROF_STAMPS;
-  row[PROF_WAIT] = t_wait;
-  row[PROF_RUN] = t_run;
-  row[PROF_END] = t_end;
-}
-#endif
-
-// Thread 0: satisfy every wait of `rec` for local step s. False when this CTA must stop (its
-// own wait timed out, or another CTA raised the abort flag).
+// Controller lane 0: satisfy every wait of `rec` for local step s. False when this CTA must stop
+// (its own wait timed out, or another CTA raised the abort flag).
 __device__ __forceinline__ bool wait_record(const Params& p, const int* rec, int s, int sm,
-                                            int index, int* seen_ctr,
-                                            unsigned long long* seen_val) {
+                                            int index, Shared& sh) {
   const long long g = p.step_begin + s;
   const int n = rec[REC_NUM_WAITS];
   for (int w = 0; w < n; ++w) {
@@ -145,45 +143,216 @@ __device__ __forceinline__ bool wait_record(const Params& p, const int* rec, int
     const unsigned long long target =
         (unsigned long long)(g + 1 - wt[2]) * (unsigned long long)(unsigned)wt[1];
     const int slot = c & (SEEN - 1);
-    if (seen_ctr[slot] == c && seen_val[slot] >= target) continue;
+    if (sh.seen_ctr[slot] == c && sh.seen_val[slot] >= target) continue;
     const unsigned long long* ctr = p.counters + c;
     unsigned long long v = ptx::ld_acquire_u64(ctr);
-    if (v >= target) {
-      seen_ctr[slot] = c;
-      seen_val[slot] = v;
-      continue;
+    if (v < target) {
+      const unsigned long long t0 = ptx::globaltimer();
+      for (;;) {
+        v = ptx::ld_acquire_u64(ctr);
+        if (v >= target) break;
+        if (ptx::ld_relaxed_s32(p.abort_flag)) {
+          record_stop(p, SMS_STATUS_WAITING, sm, index, s, w);
+          return false;
+        }
+        if (ptx::globaltimer() - t0 > (unsigned long long)p.timeout_ns) {
+          record_stop(p, SMS_STATUS_WAITING, sm, index, s, w);
+          report_failure(p.error, p.abort_flag, ERR_CODE_TIMEOUT, sm, rec, index, c, v, target,
+                         g);
+          return false;
+        }
+      }
     }
-    // Slow path: spin. The timer and the abort flag are read on every spin; both loads overlap
-    // the counter load, and a spin is an L2 round trip anyway.
-    const unsigned long long t0 = ptx::globaltimer();
-    for (;;) {
-      v = ptx::ld_acquire_u64(ctr);
-      if (v >= target) {
-        seen_ctr[slot] = c;
-        seen_val[slot] = v;
-        break;
+    sh.seen_ctr[slot] = c;
+    sh.seen_val[slot] = v;
+  }
+  return true;
+}
+
+// ---- controller ---------------------------------------------------------------------------------
+__device__ __forceinline__ void fill_slot(const Params& p, Slot& slot, const int* src, int lane) {
+  if (lane < REC_WORDS / 4)
+    reinterpret_cast<int4*>(slot.rec)[lane] = __ldg(reinterpret_cast<const int4*>(src) + lane);
+  __syncwarp();
+  const int* row = p.op_params + (long long)slot.rec[REC_OP] * PARAM_WORDS;
+  if (lane < PARAM_WORDS / 4)
+    reinterpret_cast<int4*>(slot.params)[lane] = __ldg(reinterpret_cast<const int4*>(row) + lane);
+  const unsigned long long* table = reinterpret_cast<const unsigned long long*>(p.tensors);
+  if (lane < REC_MAX_OPERANDS) {
+    const int id = slot.rec[REC_OPERANDS + REC_OPERAND_STRIDE * lane];
+    slot.base[lane] = id >= 0 ? __ldg(table + id) : 0ull;
+  } else if (lane == REC_MAX_OPERANDS) {
+    const int id = slot.rec[REC_STREAM];
+    slot.stream = id >= 0 ? __ldg(table + id) + (unsigned long long)join64(
+                                slot.rec[REC_STREAM_OFFSET], slot.rec[REC_STREAM_OFFSET + 1])
+                          : 0ull;
+  }
+  __syncwarp();
+}
+
+__device__ __forceinline__ void controller(const Params& p, Shared& sh, const int* list, int len,
+                                           long long total, int sm) {
+  const int lane = threadIdx.x & 31;
+  const long long limit = p.timeout_ns * INTERNAL_TIMEOUT_FACTOR;
+  int i = 0, s = 0;
+  for (long long k = 0; k < total; ++k) {
+    const int sl = (int)(k & (NUM_SLOTS - 1));
+    const uint32_t round = (uint32_t)(k / NUM_SLOTS);
+    Slot& slot = sh.slot[sl];
+    wait_or_trap(ptx::smem_u32(&sh.bars.freed[sl]), (round & 1u) ^ 1u, limit);
+    fill_slot(p, slot, list + (long long)i * REC_WORDS, lane);
+    int ok = 1;
+    if (lane == 0) {
+      slot.step = s;
+      slot.index = i;
+      slot.stop = 0;
+      ptx::mbar_arrive(ptx::smem_u32(&sh.bars.loaded[sl]));
+#ifdef MPK_PROFILE
+      slot.t_wait = ptx::globaltimer();
+#endif
+      const int kind = slot.rec[REC_KIND];
+      if (kind < 0 || kind >= MPK_NUM_KINDS) {
+        record_stop(p, SMS_STATUS_BAD_KIND, sm, i, s, -1);
+        report_failure(p.error, p.abort_flag, ERR_CODE_BAD_KIND, sm, slot.rec, i, -1, 0, 0,
+                       p.step_begin + s);
+        ok = 0;
+      } else {
+        ok = wait_record(p, slot.rec, s, sm, i, sh) ? 1 : 0;
       }
-      if (ptx::ld_relaxed_s32(p.abort_flag)) {
-        record_stop(p, SMS_STATUS_WAITING, sm, index, s, w);
-        return false;
+      if (!ok) {
+        slot.stop = 1;
+        ptx::st_release_cta(&sh.stop, 1);
       }
-      if (ptx::globaltimer() - t0 > (unsigned long long)p.timeout_ns) {
-        record_stop(p, SMS_STATUS_WAITING, sm, index, s, w);
-        report_failure(p.error, p.abort_flag, ERR_CODE_TIMEOUT, sm, rec, index, c, v, target, g);
-        return false;
+      ptx::mbar_arrive(ptx::smem_u32(&sh.bars.ready[sl]));
+    }
+    if (!__shfl_sync(0xffffffffu, ok, 0)) return;
+    if (++i == len) {
+      i = 0;
+      ++s;
+    }
+  }
+}
+
+// ---- loader ---------------------------------------------------------------------------------------
+__device__ __forceinline__ void loader(Shared& sh, uint32_t ring, long long total) {
+  const uint64_t policy = ptx::l2_evict_first_policy();
+  uint32_t seq = 0;  // ring sequence number of the next page
+  for (long long k = 0; k < total; ++k) {
+    const int sl = (int)(k & (NUM_SLOTS - 1));
+    const uint32_t round = (uint32_t)(k / NUM_SLOTS);
+    if (!wait_unless_gone(ptx::smem_u32(&sh.bars.loaded[sl]), round & 1u, &sh.consumers_gone))
+      return;
+    const Slot& slot = sh.slot[sl];
+    const char* src = reinterpret_cast<const char*>(slot.stream);
+    if (src == nullptr) continue;
+    for (int r = 0; r < REC_MAX_RUNS; ++r) {
+      const int count = slot.rec[REC_STREAM_RUNS + REC_RUN_STRIDE * r];
+      const uint32_t bytes = (uint32_t)slot.rec[REC_STREAM_RUNS + REC_RUN_STRIDE * r + 1];
+      for (int c = 0; c < count; ++c, ++seq) {
+        const uint32_t ps = seq % NUM_PAGES, pround = seq / NUM_PAGES;
+        if (!wait_unless_gone(ptx::smem_u32(&sh.bars.empty[ps]), (pround & 1u) ^ 1u,
+                              &sh.consumers_gone))
+          return;
+        const uint32_t full = ptx::smem_u32(&sh.bars.full[ps]);
+        ptx::mbar_arrive_expect_tx(full, bytes);
+        ptx::bulk_copy_g2s(ring + ps * (uint32_t)PAGE_BYTES, src, bytes, full, policy);
+        src += bytes;
       }
     }
   }
-  return true;
+}
+
+// ---- storer ---------------------------------------------------------------------------------------
+#ifdef MPK_PROFILE
+__device__ __forceinline__ void profile_record(const Params& p, const Slot& slot, int sm) {
+  if (p.profile == nullptr) return;
+  unsigned long long* row =
+      p.profile +
+      (((long long)slot.step * gridDim.x + sm) * p.max_len + slot.index) * PROF_STAMPS;
+  row[PROF_WAIT] = slot.t_wait;
+  row[PROF_RUN] = slot.t_run;
+  row[PROF_END] = ptx::globaltimer();
+}
+#endif
+
+__device__ __forceinline__ void storer(const Params& p, Shared& sh, long long total, int sm) {
+  for (long long k = 0; k < total; ++k) {
+    const int sl = (int)(k & (NUM_SLOTS - 1));
+    const uint32_t round = (uint32_t)(k / NUM_SLOTS);
+    if (!wait_unless_gone(ptx::smem_u32(&sh.bars.done[sl]), round & 1u, &sh.consumers_gone))
+      return;
+    const Slot& slot = sh.slot[sl];
+#ifdef MPK_TASK_PARAMS
+    // A task that waits on its own (the tensor-parallel all-reduce waits for its peers) may have
+    // stopped the launch: its consumers must not be signalled for data it never wrote.
+    if (ptx::ld_relaxed_s32(p.abort_flag)) {
+      record_stop(p, SMS_STATUS_PEER, sm, slot.index, slot.step, -1);
+      return;
+    }
+#endif
+    // The consumers' arrives ordered their stores before this thread; the fence plus the release
+    // make them visible GPU-wide before any consumer's acquire can see the new count.
+    __threadfence();
+    const int n = slot.rec[REC_NUM_SIGNALS];
+    for (int j = 0; j < n; ++j)
+      ptx::red_release_add_u64(p.counters + slot.rec[REC_SIGNALS + j], 1ull);
+#ifdef MPK_PROFILE
+    profile_record(p, slot, sm);
+#endif
+    ptx::mbar_arrive(ptx::smem_u32(&sh.bars.freed[sl]));
+  }
+}
+
+// ---- consumers ------------------------------------------------------------------------------------
+__device__ __forceinline__ void consumers(const Params& p, Shared& sh, uint32_t ring, char* scratch,
+                                          long long total, const Params* task_params) {
+  const int tid = threadIdx.x;
+  const long long limit = p.timeout_ns * INTERNAL_TIMEOUT_FACTOR * REC_MAX_WAITS;
+  uint32_t seq = 0;
+  for (long long k = 0; k < total; ++k) {
+    const int sl = (int)(k & (NUM_SLOTS - 1));
+    const uint32_t round = (uint32_t)(k / NUM_SLOTS);
+    wait_or_trap(ptx::smem_u32(&sh.bars.ready[sl]), round & 1u, limit);
+    Slot& slot = sh.slot[sl];
+    if (slot.stop) {  // uniform: every consumer thread reads the same slot
+      if (tid == 0) ptx::st_release_cta(&sh.consumers_gone, 1);
+      return;
+    }
+#ifdef MPK_PROFILE
+    if (tid == 0) slot.t_run = ptx::globaltimer();
+#endif
+    const int npages = pages_of(slot.rec);
+    const PageCursor pages{ring, ptx::smem_u32(&sh.bars.full[0]), seq, npages, -1};
+    const TaskArgs a{slot.rec, slot.params, slot.base, slot.step, scratch, task_params, pages};
+    if (!dispatch(slot.rec[REC_KIND], a)) __trap();  // the controller checked the kind id
+    seq += (uint32_t)npages;
+    __syncwarp();
+    if ((tid & 31) == 0) ptx::mbar_arrive(ptx::smem_u32(&sh.bars.done[sl]));
+  }
+}
+
+__device__ __forceinline__ void init_barriers(Shared& sh) {
+  for (int i = 0; i < NUM_PAGES; ++i) {
+    ptx::mbar_init(ptx::smem_u32(&sh.bars.full[i]), 1);
+    ptx::mbar_init(ptx::smem_u32(&sh.bars.empty[i]), CONSUMER_WARPS);
+  }
+  for (int i = 0; i < NUM_SLOTS; ++i) {
+    ptx::mbar_init(ptx::smem_u32(&sh.bars.loaded[i]), 1);
+    ptx::mbar_init(ptx::smem_u32(&sh.bars.ready[i]), 1);
+    ptx::mbar_init(ptx::smem_u32(&sh.bars.done[i]), CONSUMER_WARPS);
+    ptx::mbar_init(ptx::smem_u32(&sh.bars.freed[i]), 1);
+  }
+  for (int i = 0; i < SEEN; ++i) sh.seen_ctr[i] = -1;
+  sh.stop = 0;
+  sh.consumers_gone = 0;
+  ptx::mbar_init_fence();
 }
 
 }  // namespace mpk
 
 #ifdef MPK_TASK_PARAMS
 // A kind of this plan reads the launch's Params (TaskArgs::p): __grid_constant__ lets it take
-// &p without the kernel copying Params to local memory. Plans without such a kind keep the
-// plain parameter, whose code is the one measured on the H200 (the qualifier alone changes
-// the generated code).
+// &p without the kernel copying Params to local memory.
 #define MPK_PARAMS_DECL const __grid_constant__ mpk::Params p
 #define MPK_PARAMS_PTR (&p)
 #else
@@ -191,95 +360,34 @@ __device__ __forceinline__ bool wait_record(const Params& p, const int* rec, int
 #define MPK_PARAMS_PTR nullptr
 #endif
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) mpk_megakernel(MPK_PARAMS_DECL) {
+extern "C" __global__ void __launch_bounds__(mpk::RUNTIME_THREADS, 1)
+    mpk_megakernel(MPK_PARAMS_DECL) {
   using namespace mpk;
   extern __shared__ __align__(1024) char dyn_smem[];
-  __shared__ __align__(16) Slot ring[RING];
-  __shared__ int seen_ctr[SEEN];
-  __shared__ unsigned long long seen_val[SEEN];
-  __shared__ int s_stop;
-#ifdef MPK_PROFILE
-  __shared__ unsigned long long s_stamp[2];  // WAIT and RUN stamps of the running record
-#endif
+  __shared__ Shared sh;
 
-  const int tid = threadIdx.x;
-  const int sm = blockIdx.x;
-  const int len = p.lengths[sm];
-  const long long total = (long long)len * p.num_steps;  // records this CTA runs in this launch
-  if (total == 0) return;
-  const int* list = p.instrs + (long long)sm * p.max_len * REC_WORDS;
-  constexpr int kCopyLanes = REC_WORDS / 4;
-
-  // Prologue: records 0 and 1 of the launch, and the first record's weights (every later
-  // record's weights are prefetched while its predecessor waits).
-  if (tid < kCopyLanes) {
-    fetch_slot(ring[0], list, p.tensors, tid);
-    if (total > 1) fetch_slot(ring[1], list + (1 % len) * REC_WORDS, p.tensors, tid);
-  }
-  if (tid < SEEN) seen_ctr[tid] = -1;
+  if (p.lengths[blockIdx.x] == 0) return;  // uniform: the whole CTA leaves
+  if (threadIdx.x == 0) init_barriers(sh);
   __syncthreads();
-  if (tid == 0) prefetch_slot(ring[0]);
-
-  int i = 0;       // index in this SM's list
-  int s = 0;       // local step
-  for (long long k = 0; k < total; ++k) {
-    const int* rec = ring[k & (RING - 1)].rec;
-    // Warp 1 fetches record k+2 into the ring; it is consumed one iteration later, after at
-    // least two __syncthreads, so no extra barrier is needed.
-    if (tid >= 32 && tid < 32 + kCopyLanes && k + 2 < total) {
-      fetch_slot(ring[(k + 2) & (RING - 1)], list + ((i + 2) % len) * REC_WORDS, p.tensors,
-                 tid - 32);
+  // Everything a role needs is recomputed after its setmaxnreg: values live across the role
+  // branch would be spilled around the register reallocation.
+  const int warp = threadIdx.x >> 5;
+  if (warp >= CONSUMER_WARPS) {
+    ptx::setmaxnreg_dec<PRODUCER_REGS>();
+    const int sm = blockIdx.x, lane = threadIdx.x & 31;
+    const long long total = (long long)p.lengths[sm] * p.num_steps;
+    if (warp == CONTROLLER_WARP) {
+      controller(p, sh, p.instrs + (long long)sm * p.max_len * REC_WORDS, p.lengths[sm], total,
+                 sm);
+    } else if (warp == LOADER_WARP) {
+      if (lane == 0) loader(sh, ptx::smem_u32(dyn_smem), total);
+    } else if (warp == STORER_WARP) {
+      if (lane == 0) storer(p, sh, total, sm);
     }
-    if (tid == 0) {
-#ifdef MPK_PROFILE
-      // Before the waits: from the previous record's END to here is loop overhead only.
-      s_stamp[0] = ptx::globaltimer();
-#endif
-      if (k + 1 < total) prefetch_slot(ring[(k + 1) & (RING - 1)]);
-      s_stop = wait_record(p, rec, s, sm, i, seen_ctr, seen_val) ? 0 : 1;
-    }
-    __syncthreads();
-    if (s_stop) return;
-#ifdef MPK_PROFILE
-    // After the barrier that releases the CTA: the task starts now. (Stamping inside thread 0's
-    // wait block instead made ptxas spill: the kernel sits at 255 registers.)
-    if (tid == 0) s_stamp[1] = ptx::globaltimer();
-#endif
-
-    const TaskArgs a{rec, p.op_params + (long long)rec[REC_OP] * PARAM_WORDS, p.tensors, s,
-                     dyn_smem, MPK_PARAMS_PTR};
-    if (!dispatch(rec[REC_KIND], a)) {  // uniform across the CTA: every thread returns
-      if (tid == 0) {
-        record_stop(p, SMS_STATUS_BAD_KIND, sm, i, s, -1);
-        report_failure(p.error, p.abort_flag, ERR_CODE_BAD_KIND, sm, rec, i, -1, 0, 0,
-                       p.step_begin + s);
-      }
-      return;
-    }
-    __syncthreads();
-#ifdef MPK_TASK_PARAMS
-    // A task that waits on its own (the tensor-parallel all-reduce waits for its peers) may
-    // have stopped the launch: its consumers must not be signalled for data it never wrote.
-    if (tid == 0 && ptx::ld_relaxed_s32(p.abort_flag)) {
-      record_stop(p, SMS_STATUS_PEER, sm, i, s, -1);
-      s_stop = 1;
-    }
-    __syncthreads();
-    if (s_stop) return;
-#endif
-    if (tid == 0) {
-      // The barrier orders every thread's stores before thread 0; the fence plus the release
-      // make them visible GPU-wide before any consumer's acquire can see the new count.
-      __threadfence();
-      const int n = rec[REC_NUM_SIGNALS];
-      for (int j = 0; j < n; ++j) ptx::red_release_add_u64(p.counters + rec[REC_SIGNALS + j], 1ull);
-#ifdef MPK_PROFILE
-      profile_record(p, s, sm, i, s_stamp[0], s_stamp[1], ptx::globaltimer());
-#endif
-    }
-    if (++i == len) {
-      i = 0;
-      ++s;
-    }
+  } else {
+    ptx::setmaxnreg_inc<CONSUMER_REGS>();
+    const long long total = (long long)p.lengths[blockIdx.x] * p.num_steps;
+    consumers(p, sh, ptx::smem_u32(dyn_smem), dyn_smem + NUM_PAGES * PAGE_BYTES, total,
+              MPK_PARAMS_PTR);
   }
 }

@@ -1,14 +1,22 @@
 // TaskArgs: what a task kind's device function sees of its task.
 //
-// rec     : the task's instruction record (layout constants REC_* are generated from
-//           mpk/compiler/record.py into the megakernel source before this header is included).
-// params  : the op's parameter row (PARAM_WORDS int32; floats are stored as their IEEE bits).
-//           Each kind's param indices are generated as constants P_<NAME> in its namespace.
-// tensors : the tensor table: device base pointer of every tensor of the Plan.
+// A task runs on the CONSUMER warps only: NUM_THREADS threads (threadIdx.x 0 .. NUM_THREADS-1).
+// It synchronises them with mpk::task_sync() (a named barrier), never __syncthreads (the
+// runtime's controller, loader and storer warps do not take part).
+//
+// rec     : the task's instruction record, in shared memory (layout constants REC_* are generated
+//           from mpk/compiler/record.py into the megakernel source before this header).
+// params  : the op's parameter row (PARAM_WORDS int32, floats as their IEEE bits), in shared
+//           memory. Each kind's param indices are generated as constants P_<NAME>.
+// base    : the device base pointer of every operand slot's tensor (0 when absent), resolved
+//           by the controller before the task starts, in shared memory.
 // step    : the LOCAL decode step inside this launch (0 .. num_steps-1).
-// smem    : this CTA's dynamic shared memory (SMEM_BYTES, generated).
-// p       : the launch's Params (the global step, the watchdog, the tensor-parallel peers),
-//           only for kinds that declare reads_launch_params in task.py (nullptr otherwise).
+// smem    : this task's shared-memory scratch (SMEM_BYTES, generated from the plan).
+// p       : the launch's Params, for kinds that declare reads_launch_params (else nullptr).
+// pages   : the task's weight pages (kinds with a TaskKind.stream_layout): page i holds the
+//           bytes of run-by-run cut i of the task's stream (record STREAM_RUNS). A kind with a
+//           stream copies this cursor, visits its pages, and MUST call finish() on its copy
+//           before returning (on every path).
 #pragma once
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -17,50 +25,78 @@
 #include "ptx.cuh"
 
 // How a kind declares its entry point: `MPK_TASK_ENTRY void run(const mpk::TaskArgs& a)`.
-// Force-inlined into the dispatch switch: as an out-of-line (__noinline__) ABI call, every task
-// pays callee-saved register saves, and with all nine kinds the megakernel spilled 508 B / 708 B
-// with a 368 B stack frame; inlined, the same code compiled to 255 registers and 0 spills.
-// (-DMPK_TASK_ENTRY='__device__ __noinline__' builds the other way, e.g. to read per-kind
-// ptxas numbers.)
+// Force-inlined into the dispatch switch: an out-of-line (__noinline__) ABI call makes every
+// task pay callee-saved register saves (measured with the first runtime: spills and a 368 B
+// stack frame, against none inlined).
 #ifndef MPK_TASK_ENTRY
 #define MPK_TASK_ENTRY __device__ __forceinline__
 #endif
 
 namespace mpk {
 
-// Barrier among the task's NUM_THREADS threads. Tasks should use this rather than a raw
-// __syncthreads(): a later runtime may run a controller warp beside the task threads (waits,
-// prefetch and signals off the task's critical path), and then this becomes a named barrier
-// over the task threads only.
-__device__ __forceinline__ void task_sync() { __syncthreads(); }
+// Barrier among the task's NUM_THREADS consumer threads (named barrier 1).
+__device__ __forceinline__ void task_sync() { ptx::named_sync(1, NUM_THREADS); }
+
+// One consumer warp's view of its task's weight pages. Pages are visited in order: at(i)
+// waits until page i has landed (releasing the pages before it); finish() releases the rest.
+// Every consumer warp must wait for and release EVERY page of the task exactly once, in order,
+// because a page's "empty" barrier counts one arrival per consumer warp per use. (The cursor is
+// a value the kind owns: held in registers, not behind a pointer the compiler must keep in
+// local memory.)
+struct PageCursor {
+  uint32_t ring;   // smem address of page slot 0 (slots are PAGE_BYTES apart)
+  uint32_t full;   // smem address of full[0] (NUM_PAGES u64 barriers), empty[] right after
+  uint32_t seq;    // ring sequence number of the task's page 0
+  int count;       // pages of this task
+  int cur;         // page this warp holds (waited for, not yet released); -1 before the first
+
+  __device__ __forceinline__ uint32_t slot_of(int i) const { return (seq + i) % NUM_PAGES; }
+  __device__ __forceinline__ uint32_t parity_of(int i) const {
+    return ((seq + i) / NUM_PAGES) & 1u;
+  }
+  // Shared-memory address of page i (0 <= i < count), after waiting for it to land.
+  __device__ __forceinline__ uint32_t at(int i) {
+    while (cur < i) {
+      if (cur >= 0) release(cur);
+      ++cur;
+      const uint32_t bar = full + 8u * slot_of(cur);
+      while (!ptx::mbar_try_wait(bar, parity_of(cur))) {
+      }
+    }
+    return ring + slot_of(i) * (uint32_t)PAGE_BYTES;
+  }
+  // This warp is done reading page i (every lane's reads happen before lane 0's arrive).
+  __device__ __forceinline__ void release(int i) const {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) ptx::mbar_arrive(full + 8u * (NUM_PAGES + slot_of(i)));
+  }
+  __device__ __forceinline__ void finish() {
+    if (count == 0) return;
+    at(count - 1);
+    release(count - 1);
+    cur = count;
+  }
+};
 
 struct TaskArgs {
   const int* rec;
   const int* params;
-  void* const* tensors;
+  const unsigned long long* base;
   int step;
   char* smem;
   const Params* p;
+  PageCursor pages;
 
   // Pointer to the first element of operand `slot`'s TILE (tile offset already applied), or
   // nullptr when the optional operand is absent. Slots are generated per kind as O_<NAME>.
   template <class T>
   __device__ __forceinline__ T* operand(int slot) const {
+    if (base[slot] == 0ull) return nullptr;
     const int* o = rec + REC_OPERANDS + REC_OPERAND_STRIDE * slot;
-    if (o[0] < 0) return nullptr;
-    long long off = (long long)(unsigned)o[1] | ((long long)(unsigned)o[2] << 32);
-    return reinterpret_cast<T*>(tensors[o[0]]) + off;
+    const long long off = (long long)(unsigned)o[1] | ((long long)(unsigned)o[2] << 32);
+    return reinterpret_cast<T*>(base[slot]) + off;
   }
-  // Base pointer of the WHOLE tensor behind operand `slot` (for data-dependent access such as
-  // paged KV caches or embedding rows, where the tile offset is only the split's start).
-  template <class T>
-  __device__ __forceinline__ T* base(int slot) const {
-    const int* o = rec + REC_OPERANDS + REC_OPERAND_STRIDE * slot;
-    return o[0] < 0 ? nullptr : reinterpret_cast<T*>(tensors[o[0]]);
-  }
-  __device__ __forceinline__ bool has(int slot) const {
-    return rec[REC_OPERANDS + REC_OPERAND_STRIDE * slot] >= 0;
-  }
+  __device__ __forceinline__ bool has(int slot) const { return base[slot] != 0ull; }
   __device__ __forceinline__ int i(int p) const { return params[p]; }
   __device__ __forceinline__ float f(int p) const { return __int_as_float(params[p]); }
   // Grid coordinate of this task along axis 0, 1 or 2.

@@ -1,0 +1,85 @@
+"""The fused attention kernel (q/k norm, RoPE, KV append, attention; tasks/attention/sm90.cuh)
+against the CPU interpreter: head dims 16-256, GQA groups, KV splits, steps, rows outside the
+rope table (kernel_helpers.py: poisoned outputs, bf16 tolerance)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpk.graph.graph import Graph
+from tests.gpu.kernel_helpers import BF16, F32, I32, Role, assert_close, gen, randn, run_both
+
+pytestmark = [pytest.mark.gpu, pytest.mark.nvcc]
+
+
+def rope_table(max_pos: int, d: int) -> torch.Tensor:
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat([ang.cos(), ang.sin()], dim=1).float()
+
+
+def attention_case(group: int, d: int, splits: int, lengths=(1, 17, 300), steps: int = 1,
+                   qk_norm: bool = True, kv_heads: int = 2, max_pos: int | None = None,
+                   seed: int = 0) -> None:
+    g = gen(seed)
+    batch, page_size = len(lengths), 16
+    max_pages = (max(lengths) + steps + page_size - 1) // page_size + 1
+    num_pages = batch * max_pages
+    table = torch.randperm(num_pages, generator=g).to(torch.int32).reshape(batch, max_pages)
+    cache = (num_pages, page_size, kv_heads, d)
+    max_pos = max_pos or max_pages * page_size
+    width = kv_heads * (group + 2) * d
+    graph = Graph()
+    graph.add_tensor("qkv", (batch, width), BF16, Role.IO)
+    graph.add_tensor("rope", (max_pos, d), F32, Role.WEIGHT)
+    graph.add_tensor("positions", (batch,), I32, Role.IO)
+    graph.add_tensor("page_table", (batch, max_pages), I32, Role.IO)
+    graph.add_tensor("k_cache", cache, BF16, Role.IO)
+    graph.add_tensor("v_cache", cache, BF16, Role.IO)
+    operands = {"qkv": "qkv", "rope": "rope", "positions": "positions",
+                "page_table": "page_table", "k_cache": "k_cache", "v_cache": "v_cache"}
+    inputs = {"qkv": randn((batch, width), torch.bfloat16, g, 2.0),
+              "rope": rope_table(max_pos, d),
+              "positions": torch.tensor([n - 1 for n in lengths], dtype=torch.int32),
+              "page_table": table, "k_cache": randn(cache, torch.bfloat16, g),
+              "v_cache": randn(cache, torch.bfloat16, g)}
+    if qk_norm:
+        for name in ("q_norm", "k_norm"):
+            graph.add_tensor(name, (d,), BF16, Role.WEIGHT)
+            inputs[name] = (1.0 + 0.5 * torch.randn(d, generator=g)).to(torch.bfloat16)
+            operands[name] = name
+    if splits == 1:
+        graph.add_tensor("o", (batch, kv_heads * group * d), BF16, Role.ACTIVATION)
+        operands["out"] = "o"
+        outputs = ["o"]
+    else:
+        graph.add_tensor("po", (batch, kv_heads, splits, group * d), F32, Role.ACTIVATION)
+        graph.add_tensor("pl", (batch, kv_heads, splits, group), F32, Role.ACTIVATION)
+        operands.update(part_o="po", part_lse="pl")
+        outputs = ["po", "pl"]
+    graph.add_op("attention", "attn", (kv_heads, batch, splits), operands=operands)
+    cpu, gpu = run_both(graph, inputs, outputs + ["k_cache", "v_cache"], steps=steps)
+    for name in outputs + ["k_cache"]:
+        assert_close(cpu[name], gpu[name], name)
+    assert_close(cpu["v_cache"], gpu["v_cache"], "v_cache", exact=True)
+
+
+@pytest.mark.parametrize("d", [16, 32, 64, 80, 96, 128, 256])
+def test_attention_head_dims(d):
+    attention_case(2, d, 1, seed=d)
+
+
+@pytest.mark.parametrize("group,splits,qk_norm", [(2, 4, True), (4, 1, False), (8, 2, True),
+                                                  (12, 1, True), (1, 3, False)])
+def test_attention_groups_and_splits(group, splits, qk_norm):
+    attention_case(group, 128, splits, qk_norm=qk_norm, seed=group * 10 + splits)
+
+
+def test_attention_steps_and_long():
+    attention_case(4, 128, 4, lengths=(2000, 33), steps=2, seed=3)
+
+
+def test_attention_row_outside_the_rope_table():
+    """A row whose position is past the rope table attends to nothing and appends nothing."""
+    attention_case(2, 64, 1, lengths=(5, 40), max_pos=32, seed=9)

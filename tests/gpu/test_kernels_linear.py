@@ -1,0 +1,98 @@
+"""The streamed linear kernel (tasks/linear/sm90.cuh) against the CPU interpreter: prologues,
+epilogues, uneven task ranges, K tails and chunks, batch 1-16 (kernel_helpers.py: poisoned
+outputs, bf16 tolerance)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mpk.graph.graph import Graph
+from tests.gpu.kernel_helpers import BF16, F32, I32, Role, assert_close, gen, randn, run_both
+
+pytestmark = [pytest.mark.gpu, pytest.mark.nvcc]
+
+
+def linear_case(n: int, k: int, tasks: int, batch: int, prologue: str = "none",
+                epilogue: str = "none", residual: bool = False, out_dtype=BF16,
+                seed: int = 0, num_sms: int = 16) -> None:
+    g = gen(seed)
+    silu = epilogue == "silu_mul"
+    wshape = (2, n, k) if silu else (n, k)
+    graph = Graph()
+    graph.add_tensor("x", (batch, k), BF16, Role.IO)
+    graph.add_tensor("w", wshape, BF16, Role.WEIGHT)
+    graph.add_tensor("y", (batch, n), out_dtype, Role.ACTIVATION)
+    inputs = {"x": randn((batch, k), torch.bfloat16, g, 2.0),
+              "w": randn(wshape, torch.bfloat16, g, 1.0 / math.sqrt(k))}
+    operands = {"x": "x", "weight": "w", "out": "y"}
+    outputs = ["y"]
+    if prologue == "rmsnorm":
+        graph.add_tensor("nw", (k,), BF16, Role.WEIGHT)
+        inputs["nw"] = (1.0 + 0.5 * torch.randn(k, generator=g)).to(torch.bfloat16)
+        operands["norm_weight"] = "nw"
+    if residual:
+        graph.add_tensor("r", (batch, n), out_dtype, Role.IO)
+        inputs["r"] = randn((batch, n), out_dtype.torch, g, 3.0)
+        operands["residual"] = "r"
+    if epilogue == "argmax":
+        graph.add_tensor("pv", (batch, tasks), F32, Role.ACTIVATION)
+        graph.add_tensor("pi", (batch, tasks), I32, Role.ACTIVATION)
+        operands.update(part_val="pv", part_idx="pi")
+        outputs += ["pv", "pi"]
+    graph.add_op("linear", "lin", (tasks,), operands=operands, prologue=prologue,
+                 epilogue=epilogue)
+    cpu, gpu = run_both(graph, inputs, outputs, num_sms=num_sms)
+    assert_close(cpu["y"], gpu["y"], "y")
+    if epilogue == "argmax":
+        # Each task's best among ITS OWN stored outputs: the indices must agree exactly unless
+        # the two backends' values differ at a near-tie inside a task.
+        close = (cpu["pi"] == gpu["pi"]) | ((cpu["pv"] - gpu["pv"]).abs() < 1e-2)
+        assert close.all(), (cpu["pi"], gpu["pi"])
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8, 16])
+@pytest.mark.parametrize("prologue", ["none", "rmsnorm"])
+def test_linear_plain(batch, prologue):
+    linear_case(1024, 1024, 128, batch, prologue, residual=batch % 2 == 1, seed=batch)
+
+
+@pytest.mark.parametrize("n,k,tasks,batch", [
+    (200, 576, 13, 3),     # SmolLM2's K (18 units per row group), uneven 8-row ranges
+    (96, 48, 5, 5),        # K smaller than one 8-warp sweep, a 16-k tail
+    (17, 64, 3, 2),        # N not a multiple of 8: a partial row group
+    (4096, 1024, 132, 1),  # qwen3-0.6b qkv shape, one task per SM
+    (2064, 512, 1, 2),     # one task: blocks of 8, 8, ... then 2
+])
+def test_linear_shapes(n, k, tasks, batch):
+    linear_case(n, k, tasks, batch, "rmsnorm", residual=True, seed=n + k)
+
+
+@pytest.mark.parametrize("batch", [1, 8, 16])
+def test_linear_chunked_k(batch):
+    """K x batch past the staging budget: the input comes in chunks, sums carry in fp32."""
+    linear_case(64, 14336, 4, batch, residual=True, seed=batch)
+
+
+def test_linear_chunked_k_rmsnorm():
+    """Chunks with an rmsnorm prologue: the inverse rms over whole rows first."""
+    linear_case(72, 8192, 5, 16, "rmsnorm", residual=True, seed=11)
+
+
+@pytest.mark.parametrize("n,k,tasks,batch", [(3072, 1024, 132, 1), (1536, 576, 132, 4),
+                                             (30, 96, 4, 2), (40, 8192, 3, 16)])
+def test_linear_silu_epilogue(n, k, tasks, batch):
+    linear_case(n, k, tasks, batch, "rmsnorm", "silu_mul", seed=n)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_linear_f32_out(residual):
+    linear_case(512, 2048, 8, 2, "rmsnorm", residual=residual, out_dtype=F32)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_linear_argmax_epilogue(batch):
+    linear_case(20000, 1024, 132, batch, "rmsnorm", "argmax", out_dtype=F32, seed=batch,
+                num_sms=132)

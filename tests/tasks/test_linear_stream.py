@@ -1,0 +1,138 @@
+"""The linear kind's GPU weight stream, replayed on the CPU the way tasks/linear/sm90.cuh walks it.
+
+`replay` mirrors the CUDA consumer: runs -> pages, warp w takes task units w, w+8, ...; a
+block's row group per warp is (w - u0) mod nb and its k group (u - u0) // nb; each unit's lane
+(g, t) reads 16 bytes at lane*16 (stream row g, k 8t..8t+7 of the unit's 32). It rebuilds every
+output from the stream bytes alone, so a wrong layout, page cut or index formula shows up as a
+wrong product. The CPU interpreter never uses the stream; this is its only check off the GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mpk.tasks.base import PAGE_BYTES
+from mpk.tasks.linear import geometry as geo
+
+WARPS = 8
+
+
+def _pages(stream: np.ndarray, shape: geo.LinearShape, task: int, offset: int) -> list[np.ndarray]:
+    """The task's pages as byte arrays, cut as the loader cuts them (runs in order)."""
+    pages, pos = [], offset
+    for count, nbytes in geo.task_runs(shape, task):
+        assert nbytes % 16 == 0 and 0 < nbytes <= PAGE_BYTES
+        for _ in range(count):
+            pages.append(stream[pos: pos + nbytes])
+            pos += nbytes
+    return pages
+
+
+def _unit_rows(pages: list[np.ndarray], pbase: int, u: int) -> np.ndarray:
+    """The [8, 32] bf16-as-float values of task unit u, read lane by lane like the kernel."""
+    page = pages[pbase + u // geo.PAGE_UNITS]
+    start = (u % geo.PAGE_UNITS) * geo.UNIT_BYTES
+    unit = np.zeros((8, 32), dtype=np.float32)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        raw = page[start + lane * 16: start + lane * 16 + 16].view(np.uint16)
+        unit[g, 8 * t: 8 * t + 8] = (raw.astype(np.uint32) << 16).view(np.float32)
+    return unit
+
+
+def replay(shape: geo.LinearShape, stream: torch.Tensor, x: np.ndarray) -> np.ndarray:
+    """fp32 sums [B, stream rows of the whole op] from the stream, per task, as the kernel does."""
+    data = stream.contiguous().view(torch.uint8).numpy()
+    batch = x.shape[0]
+    rows_total = 2 * shape.n if shape.silu else shape.n
+    out = np.full((batch, rows_total + 8), np.nan, dtype=np.float64)
+    offset = 0
+    for task in range(shape.tasks):
+        pages = _pages(data, shape, task, offset)
+        offset += geo.task_stream_bytes(shape, task)
+        pbase = 1 if shape.rms else 0
+        if shape.rms:  # page 0 holds the norm weight (checked against the source by the caller)
+            assert len(pages[0]) == geo.norm_bytes(shape)
+        lo, _ = geo.task_outputs(shape, task)
+        row0 = 2 * lo if shape.silu else lo
+        rgs = geo.task_row_groups(shape, task)
+        sums = np.zeros((batch, rgs * 8), dtype=np.float64)
+        u0 = 0
+        for k0, k1 in geo.chunks(shape):
+            nk = -(-(k1 - k0) // geo.UNIT_K)
+            xc = np.zeros((batch, nk * geo.UNIT_K), dtype=np.float64)
+            xc[:, : k1 - k0] = x[:, k0:k1]
+            for start, nb in geo.blocks(rgs):
+                for w in range(WARPS):
+                    first = u0 + (w - u0) % WARPS
+                    rgl = (first - u0) % nb
+                    for u in range(first, u0 + nb * nk, WARPS):
+                        kg = (u - u0) // nb
+                        assert (u - u0) % nb == rgl  # one row group per warp per block
+                        unit = _unit_rows(pages, pbase, u)
+                        rg = start + rgl
+                        sums[:, rg * 8: rg * 8 + 8] += xc[:, kg * 32: kg * 32 + 32] @ unit.T
+                u0 += nb * nk
+        out[:, row0: row0 + rgs * 8] = sums
+    return out[:, :rows_total]
+
+
+def _case(n: int, k: int, tasks: int, silu: bool, rms: bool, xc: int | None, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    wshape = (2, n, k) if silu else (n, k)
+    weight = torch.randn(wshape, generator=g).to(torch.bfloat16)
+    norm = torch.randn(k, generator=g).to(torch.bfloat16) if rms else None
+    shape = geo.LinearShape(n=n, k=k, tasks=tasks, silu=silu, rms=rms,
+                            xc=xc if xc else -(-k // 32) * 32)
+    stream = geo.build_stream(shape, weight, norm)
+    total = sum(geo.task_stream_bytes(shape, t) for t in range(tasks))
+    assert stream.numel() * 2 == total
+    x = torch.randn(3, k, generator=g).to(torch.bfloat16).float().numpy().astype(np.float64)
+    got = replay(shape, stream, x)
+    ws = geo.stream_rows(weight, silu)[: got.shape[1]].float().numpy().astype(np.float64)
+    expected = x @ ws.T
+    np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-9)
+    if rms:  # every task's first page is the norm weight
+        data = stream.view(torch.uint8).numpy()
+        nbytes = geo.norm_bytes(shape)
+        offset = 0
+        for t in range(tasks):
+            page = data[offset: offset + nbytes].view(np.uint16)[:k]
+            assert np.array_equal(page, norm.view(torch.int16).numpy().view(np.uint16))
+            offset += geo.task_stream_bytes(shape, t)
+
+
+@pytest.mark.parametrize("n,k,tasks", [
+    (1024, 1024, 128), (256, 1024, 7), (200, 576, 13), (96, 48, 5), (4096, 3072, 132),
+    (64, 4096, 1), (8, 1024, 1), (17, 64, 3),
+])
+def test_plain_stream_replays_to_the_product(n: int, k: int, tasks: int) -> None:
+    _case(n, k, tasks, silu=False, rms=False, xc=None, seed=n + k)
+
+
+@pytest.mark.parametrize("n,k,tasks", [(3072, 1024, 132), (1536, 576, 132), (36, 64, 5),
+                                       (30, 96, 4)])
+def test_silu_stream_pairs_gate_and_up(n: int, k: int, tasks: int) -> None:
+    _case(n, k, tasks, silu=True, rms=True, xc=None, seed=n)
+
+
+@pytest.mark.parametrize("xc", [256, 2048, 3584])
+def test_chunked_stream(xc: int) -> None:
+    _case(200, 7168, 9, silu=False, rms=True, xc=xc, seed=xc)
+
+
+def test_blocks_are_greedy_powers_of_two() -> None:
+    assert geo.blocks(13) == [(0, 8), (8, 4), (12, 1)]
+    assert geo.blocks(7) == [(0, 4), (4, 2), (6, 1)]
+    assert geo.blocks(0) == []
+
+
+def test_page_runs_cover_the_units() -> None:
+    shape = geo.LinearShape(n=1000, k=576, tasks=7, silu=False, rms=True, xc=576)
+    for t in range(7):
+        runs = geo.task_runs(shape, t)
+        assert runs[0] == (1, 1152)
+        units = sum(c * b for c, b in runs[1:]) // geo.UNIT_BYTES
+        assert units == geo.num_units(shape, t) == len(geo.unit_order(shape, t))
