@@ -8,7 +8,7 @@ import time
 import torch
 
 from mpk.backends.base import create_executor
-from mpk.compiler.lower import compile_graph
+from mpk.compiler.cache import compile_cached
 from mpk.engine.bind import bind_model
 from mpk.models.builder import DecodeShape, build_graph
 from mpk.models.config import ModelConfig
@@ -34,7 +34,7 @@ class MpkDecoder:
                                  page_size=page_size, max_pages=pages, num_pages=batch * pages)
         t0 = time.perf_counter()
         graph = build_graph(cfg, self.shape, num_sms=num_sms, tp=tp)
-        self.plan = compile_graph(graph, num_sms)
+        self.plan = compile_cached(graph, num_sms)
         self.plan_s = time.perf_counter() - t0
         executor = create_executor(self.plan, backend)
         self.executor = executor if tp is None else RankView(executor, tp)

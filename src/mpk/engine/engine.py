@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from mpk.backends.base import Executor, create_executor
-from mpk.compiler.lower import compile_graph
+from mpk.compiler.cache import compile_cached
 from mpk.compiler.plan import Plan
 from mpk.dtypes import DType
 from mpk.engine.decode import PAGE_TABLE, GenerationResult, decode, steps_needed, validate_request
@@ -170,7 +170,7 @@ class Engine:
         with self._status(f"compiling {self.cfg.name or self.cfg.arch} for batch {batch}"):
             start = time.perf_counter()
             graph = build_graph(self.cfg, shape, num_sms=opts.num_sms, tp=self.tp)
-            plan = compile_graph(graph, num_sms=opts.num_sms)
+            plan = compile_cached(graph, num_sms=opts.num_sms)
             timings["compile_s"] += time.perf_counter() - start
         log.info("compiled batch %d: %d tasks in %.2f s", batch, plan.num_tasks,
                  timings["compile_s"])

@@ -84,7 +84,7 @@ def profile_model(cfg: ModelConfig, steps: int = 200, *, weights: dict[str, Any]
     from mpk.backends.cuda.executor import CudaExecutor
     from mpk.bench.runner import bench_prompt
     from mpk.bench.timing import read_bandwidth_probe, require_cuda, summarize, time_decode
-    from mpk.compiler.lower import compile_graph
+    from mpk.compiler.cache import compile_cached
     from mpk.engine.bind import bind_model
     from mpk.models.builder import DecodeShape, build_graph
     from mpk.models.weights import random_weights
@@ -99,7 +99,7 @@ def profile_model(cfg: ModelConfig, steps: int = 200, *, weights: dict[str, Any]
     shape = DecodeShape(batch=batch, steps_per_launch=max(prompt_len, steps),
                         page_size=PAGE_SIZE, max_pages=pages, num_pages=batch * pages)
     t0 = time.perf_counter()
-    plan = compile_graph(build_graph(cfg, shape, num_sms=num_sms), num_sms)
+    plan = compile_cached(build_graph(cfg, shape, num_sms=num_sms), num_sms)
     t1 = time.perf_counter()
     plain = CudaExecutor(plan, device)
     profiled = CudaExecutor(plan, device, profile=True)
