@@ -1,30 +1,47 @@
 #!/usr/bin/env bash
 # One device call per mode (each fits the 10-minute limit), logs under $OUT (default ./out).
-#   bash scripts/gpu_check.sh correctness   GPU tests, mpk generate on CUDA, compute-sanitizer
-#   bash scripts/gpu_check.sh perf          mpk bench (BATCHES, default 1) and mpk profile
-#   bash scripts/gpu_check.sh tp            tensor parallelism (needs >= 2 GPUs: nvidia-h200-x2+)
-# Tune with MODELS="qwen3-0.6b ..." BATCHES="1 8" TOKENS=200 PYTEST_ARGS=...
-# The step limits of one mode add up to less than the device's 10-minute call limit (with the
-# install); qwen3-8b / llama-3.1-8b benches (16 GB of random weights, a torch.compile baseline)
-# want a call of their own: MODELS=qwen3-8b.
+#   bash scripts/gpu_check.sh correctness  runtime, kernel and model GPU tests, generate, memcheck
+#   bash scripts/gpu_check.sh real         SmolLM2-135M on CUDA against transformers (GGUF: see
+#                                          GGUF_PARTS below), and `mpk generate` on it
+#   bash scripts/gpu_check.sh perf         mpk bench (MODELS x BATCHES) and mpk profile
+#   bash scripts/gpu_check.sh tp           tensor parallelism (needs >= 2 GPUs: nvidia-h200-x2+)
+# Tune with MODELS="qwen3-0.6b ..." BATCHES="1 8" TOKENS=200 PYTEST_ARGS=... BUDGET=540.
+# GGUF_PARTS: files whose concatenation is the SmolLM2 GGUF (a call carries at most 64 MiB, so
+# it travels in two calls; stash the first in /tmp with GGUF_STASH=path of the part).
+# Steps run in order while the call's BUDGET (seconds) lasts; a failing gate step skips the rest.
 set -uo pipefail
 mode=${1:-correctness}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MPK_CACHE_DIR=${MPK_CACHE_DIR:-/tmp/mpk-cache}
+export MPK_WATCHDOG_S=${MPK_WATCHDOG_S:-3}
+START=$(date +%s); BUDGET=${BUDGET:-540}
+if [ -n "${GGUF_STASH:-}" ]; then cp "$GGUF_STASH" /tmp/gguf.stash; fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
   || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader | tee "$OUT/env.log"
 status=0
-step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, remember failures
+step() {  # step NAME LIMIT CMD...: run within the call's budget, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
-  echo "== $name"
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1 || { status=1; echo "FAILED: $name"; }
-  grep -v -e Warning -e '^$' "$OUT/$name.log" | tail -${TAIL:-15}
+  local left=$((BUDGET - ($(date +%s) - START)))
+  if [ "$left" -lt 20 ]; then echo "SKIPPED (budget): $name"; status=1; return 1; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "== $name (limit ${limit}s)"
+  local t0=$(date +%s) rc=0
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1 || rc=$?
+  grep -v -e Warning -e '^$' "$OUT/$name.log" | tail -${TAIL:-12}
+  echo "-- $name: rc=$rc in $(( $(date +%s) - t0 ))s"
+  [ $rc -eq 0 ] || { status=1; return 1; }
 }
+pytest_gpu() { python3 -m pytest -q -p no:cacheprovider -rfE --timeout "${TEST_TIMEOUT:-90}" "$@" \
+  ${PYTEST_ARGS:-}; }
 case $mode in
   correctness)
-    step gpu_tests 330 python3 -m pytest -q -p no:cacheprovider --timeout 120 tests/gpu tests/cuda \
-      tests/profile ${PYTEST_ARGS:-}
+    step runtime 120 pytest_gpu tests/gpu/test_runtime.py || exit $status
+    step kernels_linear 200 pytest_gpu tests/gpu/test_kernels_linear.py
+    step kernels_attention 150 pytest_gpu tests/gpu/test_kernels_attention.py
+    step kernels_other 100 pytest_gpu tests/gpu/test_kernels.py
+    [ $status -eq 0 ] || exit $status
+    step models 240 pytest_gpu --timeout 200 tests/gpu/test_model_gpu.py tests/profile
     step generate 90 python3 -m mpk generate --model qwen3-0.6b --backend cuda --json \
       --max-new-tokens 32
     before=$status
@@ -35,6 +52,15 @@ case $mode in
       echo "memcheck NOT RUN: compute-sanitizer does not support this host"; status=$before
     fi
     ;;
+  real)
+    gguf=$MPK_CACHE_DIR/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
+    mkdir -p "$(dirname "$gguf")"
+    cat ${GGUF_PARTS:-/tmp/gguf.stash} > "$gguf"
+    sha256sum "$gguf"
+    step real_model 300 pytest_gpu --timeout 280 tests/models/test_smollm2.py -k cuda
+    step generate_real 90 python3 -m mpk generate --model smollm2-135m --backend cuda \
+      --prompt "The capital of France is"
+    ;;
   perf)
     for model in ${MODELS:-qwen3-0.6b llama-3.2-1b}; do
       for batch in ${BATCHES:-1}; do
@@ -42,17 +68,16 @@ case $mode in
           --new-tokens "${TOKENS:-200}"
       done
     done
-    step profile 150 python3 -m mpk profile --model "${PROFILE_MODEL:-qwen3-0.6b}" \
-      --out "$OUT/profile"
+    [ -n "${PROFILE_MODEL:-qwen3-0.6b}" ] && step profile 150 python3 -m mpk profile \
+      --model "${PROFILE_MODEL:-qwen3-0.6b}" --out "$OUT/profile"
     ;;
   tp)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    step tp_tests 300 python3 -m pytest -q -p no:cacheprovider --timeout 300 tests/gpu/test_tp_gpu.py \
-      tests/parallel ${PYTEST_ARGS:-}
+    step tp_tests 300 pytest_gpu --timeout 300 tests/gpu/test_tp_gpu.py tests/parallel
     step generate_tp2 100 python3 -m mpk generate --model qwen3-8b --backend cuda --tp 2 --json \
       --max-new-tokens 32
     step bench_tp2 150 python3 -m mpk bench --model qwen3-8b --tp 2 --new-tokens 100
     ;;
-  *) echo "unknown mode $mode (use correctness, perf or tp)"; exit 2 ;;
+  *) echo "unknown mode $mode (use correctness, real, perf or tp)"; exit 2 ;;
 esac
 exit $status

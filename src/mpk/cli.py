@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS ids")
     g.add_argument("--num-sms", type=_positive, default=None, metavar="N",
-                   help="SMs (persistent CTAs) to compile for (default: 132)")
+                   help="SMs (persistent CTAs) to compile for (default: every SM of the GPU, "
+                        "or 4 on the CPU interpreter)")
     g.add_argument("--steps-per-launch", type=_positive, default=16, metavar="N",
                    help="decode steps per kernel launch (default: 16)")
     g.add_argument("--max-seq-len", type=_positive, default=None, metavar="N",

@@ -1,5 +1,6 @@
 """End to end on a real trained model, SmolLM2-135M-Instruct (its Q4_1 GGUF, dequantized to
-bf16): MPK's CPU interpreter against transformers in fp32 on the same weights.
+bf16): MPK's CPU interpreter, and on a GPU the CUDA megakernel, against transformers in fp32 on
+the same weights.
 
 Real weights have peaked logits, so unlike random weights almost every greedy decision is far
 from a tie and a wrong weight layout, RoPE or attention shows as wrong tokens, not noise.
@@ -78,10 +79,15 @@ def transformers_fp32(smollm2):
     return model
 
 
-@pytest.fixture(scope="module")
-def engine(smollm2) -> Engine:
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
+                                                                          pytest.mark.nvcc])])
+def engine(request, smollm2) -> Engine:
+    """The interpreter (plans for NUM_SMS SMs) and, on a GPU, the megakernel (every SM)."""
     _, cfg, weights, _ = smollm2
-    return Engine(cfg, weights, backend="cpu", num_sms=NUM_SMS, max_seq_len=336, progress=False)
+    if request.param == "cpu":
+        return Engine(cfg, weights, backend="cpu", num_sms=NUM_SMS, max_seq_len=336,
+                      progress=False)
+    return Engine(cfg, weights, backend="cuda", max_seq_len=336, progress=False)
 
 
 def _gaps(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:

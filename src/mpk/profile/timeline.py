@@ -1,14 +1,15 @@
 """Raw profiling stamps + the Plan -> one event per executed record.
 
 The profiling build writes stamps[step][sm][index][stamp] (int64 %globaltimer ns; stamp
-indices codegen.PROFILE_STAMPS: WAIT, RUN, END) for every record thread 0 of a CTA runs:
-  WAIT  thread 0 picks the record up (before issuing the next record's L2 prefetch and waiting),
-  RUN   its waits are met and the CTA passed the barrier after them: the task starts,
-  END   the task ran and its signals were issued.
-So wait_ns = RUN - WAIT is time spent on dependency counters (plus the prefetch issue), and
-run_ns = END - RUN is the task itself: loading and computing together (they overlap inside a
-task and cannot be told apart without changing the task kernels). Times are relative to the
-launch's first stamp; %globaltimer is one clock for all SMs, so SMs line up.
+indices codegen.PROFILE_STAMPS: WAIT, RUN, END) for every record a CTA runs:
+  WAIT  the consumer warps are free for the record (they finished the previous one),
+  RUN   the controller marked it ready (its counter waits are met): the task starts,
+  END   the task ran and the storer fenced and issued its signals.
+So wait_ns = RUN - WAIT is time the SM's compute spends on dependency counters (the controller
+fetched the record and waited ahead, so this is only what that could not hide), and
+run_ns = END - RUN is the task itself: weight pages (streamed ahead by the loader), activation
+loads and compute, plus the fence and signal. Times are relative to the launch's first stamp;
+%globaltimer is one clock for all SMs, so SMs line up.
 """
 
 from __future__ import annotations

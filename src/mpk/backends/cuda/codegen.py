@@ -72,9 +72,9 @@ SM_STATUS: dict[str, int] = {"WAITING": 1, "BAD_KIND": 2, "PEER": 3}
 # The per-record timer stamps of a profiling build (emitted as PROF_<NAME>, PROF_STAMPS): the
 # runtime writes profile[step][sm][index][stamp] with these stamp indices.
 PROFILE_STAMPS: dict[str, int] = {
-    "WAIT": 0,  # thread 0 starts the record: before the L2 prefetch issue and its waits
-    "RUN": 1,  # its waits are met and the CTA passed the barrier after them: the task starts
-    "END": 2,  # the task ran and its signals are issued
+    "WAIT": 0,  # the consumer warps are free for the record (they finished the previous one)
+    "RUN": 1,  # the controller marked it ready (its waits are met): the task starts
+    "END": 2,  # the task ran, the storer fenced and issued its signals
 }
 
 _HOLE = re.compile(r"@@([A-Z_]+)@@")

@@ -106,6 +106,7 @@ class CudaExecutor:
                 self._views[i] = self._arena_view(t)
         self._ptr_table: torch.Tensor | None = None
         self._streams: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
+        self._generation: dict[int, int] = {}  # tensor id -> how many binds it has seen
         self._profile: tuple[torch.Tensor, int] | None = None  # last run: stamps, step_begin
         self._dead: str | None = None  # why the executor refuses to run again
         self.step = 0  # global step of the next run
@@ -124,6 +125,7 @@ class CudaExecutor:
             # A copy: the kernel reads and writes this device copy, not the caller's tensor.
             tensor = tensor.detach().to(self.device).contiguous()
         self._bound[tid] = tensor
+        self._generation[tid] = self._generation.get(tid, 0) + 1  # streams built from it go stale
         self._ptr_table = None
 
     def write(self, name: str, value: torch.Tensor) -> None:
@@ -236,7 +238,7 @@ class CudaExecutor:
         layout = kind.stream_layout(view)
         operands = dict(op.operands)
         sources = {name: self._bound[operands[name]] for name in layout.sources}
-        key = tuple(id(t) for t in sources.values())
+        key = tuple(self._generation[operands[name]] for name in layout.sources)
         cached = self._streams.get(op_index)
         if cached is None or cached[0] != key:
             with torch.cuda.device(self.device), torch.no_grad():

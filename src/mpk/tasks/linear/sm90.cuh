@@ -72,7 +72,8 @@ struct Scratch {
 
 __device__ __forceinline__ Scratch carve(const Task& t, char* smem) {
   Scratch s;
-  s.XS = t.xc + kXPad;
+  // Row stride = 64 mod 128 bytes, so the 8 rows' 16-byte reads of one k spread over all banks.
+  s.XS = (t.xc + 2 * kXPad - 1) / (2 * kXPad) * (2 * kXPad) + kXPad;
   char* p = smem;
   s.xs = reinterpret_cast<bf16*>(p);
   p += ((t.B * s.XS * 2 + 15) / 16) * 16;
@@ -92,6 +93,7 @@ __device__ __forceinline__ Scratch carve(const Task& t, char* smem) {
 
 // ---- argmax keys: larger key = better (value order, NaN highest, then the lower index) --------
 __device__ __forceinline__ unsigned long long argmax_key(float v, int idx) {
+  if (v == 0.f) v = 0.f;  // -0 ties with +0 (torch compares values): the lower index wins
   uint32_t bits = __float_as_uint(v);
   bits = (v != v) ? 0xffffffffu : ((bits & 0x80000000u) ? ~bits : (bits | 0x80000000u));
   return ((unsigned long long)bits << 32) | (uint32_t)(~idx);
@@ -375,13 +377,9 @@ __device__ __forceinline__ Task task_of(const mpk::TaskArgs& a) {
   dev::split_bounds(t.N, t.T, t.align, a.point(0), t.n0, t.n1);
   t.rgs = (t.n1 - t.n0 + t.align - 1) / t.align;
   t.x = a.operand<const bf16>(O_X);
-  // Full-tensor pointers: the kernel indexes outputs by their global column.
-  t.out = a.has(O_OUT) ? static_cast<void*>(a.operand<char>(O_OUT) -
-                                            (long long)t.n0 * (t.f32 ? 4 : 2))
-                       : nullptr;
-  t.resid = t.res ? static_cast<const void*>(a.operand<const char>(O_RESIDUAL) -
-                                             (long long)t.n0 * (t.f32 ? 4 : 2))
-                  : nullptr;
+  // Whole-tensor pointers: the kernel indexes outputs by their global column.
+  t.out = reinterpret_cast<void*>(a.base[O_OUT]);
+  t.resid = t.res ? reinterpret_cast<const void*>(a.base[O_RESIDUAL]) : nullptr;
   t.pval = a.operand<float>(O_PART_VAL);
   t.pidx = a.operand<int>(O_PART_IDX);
   return t;

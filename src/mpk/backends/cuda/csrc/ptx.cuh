@@ -107,6 +107,13 @@ __device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uin
       : "memory");
 }
 
+// %tid.x through volatile asm: a value the compiler cannot merge with later threadIdx.x reads.
+__device__ __forceinline__ int thread_index() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
+
 // ---- named barriers, register budgets -------------------------------------------------------
 // Barrier 1 among the first `threads` threads (the consumer warps); barrier 0 is __syncthreads.
 __device__ __forceinline__ void named_sync(uint32_t id, uint32_t threads) {

@@ -16,7 +16,9 @@
 //              release-adds its signal counters, and frees the slot.
 // Hand-offs are mbarriers (parity waits; every role walks the same records in the same order):
 //   slot s:  loaded (controller -> loader), ready (controller -> consumers),
-//            done (8 consumer warps -> storer), freed (storer -> controller)
+//            done (8 consumer warps -> storer), freed (storer AND loader -> controller: the
+//            loader must be done reading a slot before it is refilled, even when the consumers
+//            never waited for it, e.g. records without pages)
 //   page p:  full (loader's bulk copy -> consumers, with a byte count),
 //            empty (8 consumer warps -> loader)
 // Step protocol (see mpk/backends/base.py): for local step s in [0, num_steps), global step
@@ -206,17 +208,14 @@ __device__ __forceinline__ void controller(const Params& p, Shared& sh, const in
       slot.step = s;
       slot.index = i;
       slot.stop = 0;
-      ptx::mbar_arrive(ptx::smem_u32(&sh.bars.loaded[sl]));
-#ifdef MPK_PROFILE
-      slot.t_wait = ptx::globaltimer();
-#endif
       const int kind = slot.rec[REC_KIND];
-      if (kind < 0 || kind >= MPK_NUM_KINDS) {
+      if (kind < 0 || kind >= MPK_NUM_KINDS) {  // a corrupt record: the loader never sees it
         record_stop(p, SMS_STATUS_BAD_KIND, sm, i, s, -1);
         report_failure(p.error, p.abort_flag, ERR_CODE_BAD_KIND, sm, slot.rec, i, -1, 0, 0,
                        p.step_begin + s);
         ok = 0;
       } else {
+        ptx::mbar_arrive(ptx::smem_u32(&sh.bars.loaded[sl]));
         ok = wait_record(p, slot.rec, s, sm, i, sh) ? 1 : 0;
       }
       if (!ok) {
@@ -234,29 +233,44 @@ __device__ __forceinline__ void controller(const Params& p, Shared& sh, const in
 }
 
 // ---- loader ---------------------------------------------------------------------------------------
-__device__ __forceinline__ void loader(Shared& sh, uint32_t ring, long long total) {
+// After a stop: let the copies already issued land before the CTA exits (no bulk copy may
+// still write this CTA's shared memory then). Nothing is issued after the stop, so the last
+// NUM_PAGES pages' phases cannot move on.
+__device__ __forceinline__ void drain(Shared& sh, uint32_t seq, long long limit) {
+  for (uint32_t s = seq > NUM_PAGES ? seq - NUM_PAGES : 0; s < seq; ++s)
+    wait_or_trap(ptx::smem_u32(&sh.bars.full[s % NUM_PAGES]), (s / NUM_PAGES) & 1u, limit);
+}
+
+__device__ __forceinline__ void loader(const Params& p, Shared& sh, uint32_t ring,
+                                       long long total) {
   const uint64_t policy = ptx::l2_evict_first_policy();
   uint32_t seq = 0;  // ring sequence number of the next page
   for (long long k = 0; k < total; ++k) {
     const int sl = (int)(k & (NUM_SLOTS - 1));
     const uint32_t round = (uint32_t)(k / NUM_SLOTS);
     if (!wait_unless_gone(ptx::smem_u32(&sh.bars.loaded[sl]), round & 1u, &sh.consumers_gone))
-      return;
+      return drain(sh, seq, p.timeout_ns);
     const Slot& slot = sh.slot[sl];
     const char* src = reinterpret_cast<const char*>(slot.stream);
-    if (src == nullptr) continue;
+    int counts[REC_MAX_RUNS];
+    uint32_t sizes[REC_MAX_RUNS];
+#pragma unroll
     for (int r = 0; r < REC_MAX_RUNS; ++r) {
-      const int count = slot.rec[REC_STREAM_RUNS + REC_RUN_STRIDE * r];
-      const uint32_t bytes = (uint32_t)slot.rec[REC_STREAM_RUNS + REC_RUN_STRIDE * r + 1];
-      for (int c = 0; c < count; ++c, ++seq) {
+      counts[r] = src ? slot.rec[REC_STREAM_RUNS + REC_RUN_STRIDE * r] : 0;
+      sizes[r] = (uint32_t)slot.rec[REC_STREAM_RUNS + REC_RUN_STRIDE * r + 1];
+    }
+    ptx::mbar_arrive(ptx::smem_u32(&sh.bars.freed[sl]));  // done reading the slot
+#pragma unroll
+    for (int r = 0; r < REC_MAX_RUNS; ++r) {
+      for (int c = 0; c < counts[r]; ++c, ++seq) {
         const uint32_t ps = seq % NUM_PAGES, pround = seq / NUM_PAGES;
         if (!wait_unless_gone(ptx::smem_u32(&sh.bars.empty[ps]), (pround & 1u) ^ 1u,
                               &sh.consumers_gone))
-          return;
+          return drain(sh, seq, p.timeout_ns);
         const uint32_t full = ptx::smem_u32(&sh.bars.full[ps]);
-        ptx::mbar_arrive_expect_tx(full, bytes);
-        ptx::bulk_copy_g2s(ring + ps * (uint32_t)PAGE_BYTES, src, bytes, full, policy);
-        src += bytes;
+        ptx::mbar_arrive_expect_tx(full, sizes[r]);
+        ptx::bulk_copy_g2s(ring + ps * (uint32_t)PAGE_BYTES, src, sizes[r], full, policy);
+        src += sizes[r];
       }
     }
   }
@@ -276,6 +290,7 @@ __device__ __forceinline__ void profile_record(const Params& p, const Slot& slot
 #endif
 
 __device__ __forceinline__ void storer(const Params& p, Shared& sh, long long total, int sm) {
+  bool aborted = false;
   for (long long k = 0; k < total; ++k) {
     const int sl = (int)(k & (NUM_SLOTS - 1));
     const uint32_t round = (uint32_t)(k / NUM_SLOTS);
@@ -284,16 +299,17 @@ __device__ __forceinline__ void storer(const Params& p, Shared& sh, long long to
     const Slot& slot = sh.slot[sl];
 #ifdef MPK_TASK_PARAMS
     // A task that waits on its own (the tensor-parallel all-reduce waits for its peers) may have
-    // stopped the launch: its consumers must not be signalled for data it never wrote.
-    if (ptx::ld_relaxed_s32(p.abort_flag)) {
+    // stopped the launch: its consumers must not be signalled for data it never wrote. The
+    // slots keep being freed, so the controller reaches a wait, sees the abort and stops.
+    if (!aborted && ptx::ld_relaxed_s32(p.abort_flag)) {
       record_stop(p, SMS_STATUS_PEER, sm, slot.index, slot.step, -1);
-      return;
+      aborted = true;
     }
 #endif
     // The consumers' arrives ordered their stores before this thread; the fence plus the release
     // make them visible GPU-wide before any consumer's acquire can see the new count.
     __threadfence();
-    const int n = slot.rec[REC_NUM_SIGNALS];
+    const int n = aborted ? 0 : slot.rec[REC_NUM_SIGNALS];
     for (int j = 0; j < n; ++j)
       ptx::red_release_add_u64(p.counters + slot.rec[REC_SIGNALS + j], 1ull);
 #ifdef MPK_PROFILE
@@ -312,6 +328,9 @@ __device__ __forceinline__ void consumers(const Params& p, Shared& sh, uint32_t 
   for (long long k = 0; k < total; ++k) {
     const int sl = (int)(k & (NUM_SLOTS - 1));
     const uint32_t round = (uint32_t)(k / NUM_SLOTS);
+#ifdef MPK_PROFILE
+    const unsigned long long t_wait = ptx::globaltimer();  // the consumers are free
+#endif
     wait_or_trap(ptx::smem_u32(&sh.bars.ready[sl]), round & 1u, limit);
     Slot& slot = sh.slot[sl];
     if (slot.stop) {  // uniform: every consumer thread reads the same slot
@@ -319,14 +338,21 @@ __device__ __forceinline__ void consumers(const Params& p, Shared& sh, uint32_t 
       return;
     }
 #ifdef MPK_PROFILE
-    if (tid == 0) slot.t_run = ptx::globaltimer();
+    if (tid == 0) {  // the storer reads both after this record's done
+      slot.t_wait = t_wait;
+      slot.t_run = ptx::globaltimer();
+    }
 #endif
     const int npages = pages_of(slot.rec);
-    const PageCursor pages{ring, ptx::smem_u32(&sh.bars.full[0]), seq, npages, -1};
+    const PageCursor pages{ring, ptx::smem_u32(&sh.bars.full[0]), seq, npages, -1,
+                           p.timeout_ns};
     const TaskArgs a{slot.rec, slot.params, slot.base, slot.step, scratch, task_params, pages};
     if (!dispatch(slot.rec[REC_KIND], a)) __trap();  // the controller checked the kind id
     seq += (uint32_t)npages;
-    __syncwarp();
+    // Every warp is out of this task before any warp starts the next one: a task owns the
+    // scratch for its whole duration (a fast warp would otherwise overwrite what a slow one
+    // still reads, e.g. an argmax result read after the task's last barrier).
+    task_sync();
     if ((tid & 31) == 0) ptx::mbar_arrive(ptx::smem_u32(&sh.bars.done[sl]));
   }
 }
@@ -340,7 +366,7 @@ __device__ __forceinline__ void init_barriers(Shared& sh) {
     ptx::mbar_init(ptx::smem_u32(&sh.bars.loaded[i]), 1);
     ptx::mbar_init(ptx::smem_u32(&sh.bars.ready[i]), 1);
     ptx::mbar_init(ptx::smem_u32(&sh.bars.done[i]), CONSUMER_WARPS);
-    ptx::mbar_init(ptx::smem_u32(&sh.bars.freed[i]), 1);
+    ptx::mbar_init(ptx::smem_u32(&sh.bars.freed[i]), 2);  // the storer and the loader
   }
   for (int i = 0; i < SEEN; ++i) sh.seen_ctr[i] = -1;
   sh.stop = 0;
@@ -367,11 +393,13 @@ extern "C" __global__ void __launch_bounds__(mpk::RUNTIME_THREADS, 1)
   __shared__ Shared sh;
 
   if (p.lengths[blockIdx.x] == 0) return;  // uniform: the whole CTA leaves
-  if (threadIdx.x == 0) init_barriers(sh);
-  __syncthreads();
   // Everything a role needs is recomputed after its setmaxnreg: values live across the role
-  // branch would be spilled around the register reallocation.
-  const int warp = threadIdx.x >> 5;
+  // branch would be spilled around the register reallocation. The thread index is read with
+  // an opaque move, so the tasks' own threadIdx.x is not merged with (and kept alive from) it.
+  const int tid0 = ptx::thread_index();
+  if (tid0 == 0) init_barriers(sh);
+  __syncthreads();
+  const int warp = tid0 >> 5;
   if (warp >= CONSUMER_WARPS) {
     ptx::setmaxnreg_dec<PRODUCER_REGS>();
     const int sm = blockIdx.x, lane = threadIdx.x & 31;
@@ -380,7 +408,7 @@ extern "C" __global__ void __launch_bounds__(mpk::RUNTIME_THREADS, 1)
       controller(p, sh, p.instrs + (long long)sm * p.max_len * REC_WORDS, p.lengths[sm], total,
                  sm);
     } else if (warp == LOADER_WARP) {
-      if (lane == 0) loader(sh, ptx::smem_u32(dyn_smem), total);
+      if (lane == 0) loader(p, sh, ptx::smem_u32(dyn_smem), total);
     } else if (warp == STORER_WARP) {
       if (lane == 0) storer(p, sh, total, sm);
     }

@@ -40,7 +40,10 @@ __device__ __forceinline__ void task_sync() { ptx::named_sync(1, NUM_THREADS); }
 // One consumer warp's view of its task's weight pages. Pages are visited in order: at(i)
 // waits until page i has landed (releasing the pages before it); finish() releases the rest.
 // Every consumer warp must wait for and release EVERY page of the task exactly once, in order,
-// because a page's "empty" barrier counts one arrival per consumer warp per use. (The cursor is
+// because a page's "empty" barrier counts one arrival per consumer warp per use. A warp that
+// holds page i at a task_sync() must not make another warp need page i + NUM_PAGES before that
+// barrier (its page slot cannot be refilled until the first warp releases it): keep barriers
+// within a few pages of each other's reach (linear: at most 2 pages, NUM_PAGES >= 4). (The cursor is
 // a value the kind owns: held in registers, not behind a pointer the compiler must keep in
 // local memory.)
 struct PageCursor {
@@ -49,6 +52,7 @@ struct PageCursor {
   uint32_t seq;    // ring sequence number of the task's page 0
   int count;       // pages of this task
   int cur;         // page this warp holds (waited for, not yet released); -1 before the first
+  long long limit_ns;  // a page that has not landed after this long means a runtime bug: trap
 
   __device__ __forceinline__ uint32_t slot_of(int i) const { return (seq + i) % NUM_PAGES; }
   __device__ __forceinline__ uint32_t parity_of(int i) const {
@@ -60,7 +64,10 @@ struct PageCursor {
       if (cur >= 0) release(cur);
       ++cur;
       const uint32_t bar = full + 8u * slot_of(cur);
-      while (!ptx::mbar_try_wait(bar, parity_of(cur))) {
+      if (!ptx::mbar_try_wait(bar, parity_of(cur))) {
+        const unsigned long long t0 = ptx::globaltimer();
+        while (!ptx::mbar_try_wait(bar, parity_of(cur)))
+          if (ptx::globaltimer() - t0 > (unsigned long long)limit_ns) __trap();
       }
     }
     return ring + slot_of(i) * (uint32_t)PAGE_BYTES;
@@ -71,7 +78,7 @@ struct PageCursor {
     if ((threadIdx.x & 31) == 0) ptx::mbar_arrive(full + 8u * (NUM_PAGES + slot_of(i)));
   }
   __device__ __forceinline__ void finish() {
-    if (count == 0) return;
+    if (count == 0 || cur >= count) return;
     at(count - 1);
     release(count - 1);
     cur = count;
