@@ -18,6 +18,10 @@ START=$(date +%s); BUDGET=${BUDGET:-540}
 if [ -n "${GGUF_STASH:-}" ]; then cp "$GGUF_STASH" /tmp/gguf.stash; fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
   || { cat "$OUT/install.log"; exit 1; }
+if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels the GPU image lacks (gguf)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    >>"$OUT/install.log" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader | tee "$OUT/env.log"
 status=0
 step() {  # step NAME LIMIT CMD...: run within the call's budget, log to $OUT/NAME.log
@@ -32,16 +36,15 @@ step() {  # step NAME LIMIT CMD...: run within the call's budget, log to $OUT/NA
   echo "-- $name: rc=$rc in $(( $(date +%s) - t0 ))s"
   [ $rc -eq 0 ] || { status=1; return 1; }
 }
-pytest_gpu() { python3 -m pytest -q -p no:cacheprovider -rfE --timeout "${TEST_TIMEOUT:-90}" "$@" \
-  ${PYTEST_ARGS:-}; }
+PYTEST="python3 -m pytest -q -p no:cacheprovider -rfE --timeout ${TEST_TIMEOUT:-90} ${PYTEST_ARGS:-}"
 case $mode in
   correctness)
-    step runtime 120 pytest_gpu tests/gpu/test_runtime.py || exit $status
-    step kernels_linear 200 pytest_gpu tests/gpu/test_kernels_linear.py
-    step kernels_attention 150 pytest_gpu tests/gpu/test_kernels_attention.py
-    step kernels_other 100 pytest_gpu tests/gpu/test_kernels.py
+    step runtime 120 $PYTEST tests/gpu/test_runtime.py || exit $status
+    step kernels_linear 200 $PYTEST tests/gpu/test_kernels_linear.py
+    step kernels_attention 150 $PYTEST tests/gpu/test_kernels_attention.py
+    step kernels_other 100 $PYTEST tests/gpu/test_kernels.py
     [ $status -eq 0 ] || exit $status
-    step models 240 pytest_gpu --timeout 200 tests/gpu/test_model_gpu.py tests/profile
+    step models 240 $PYTEST --timeout 200 tests/gpu/test_model_gpu.py tests/profile
     step generate 90 python3 -m mpk generate --model qwen3-0.6b --backend cuda --json \
       --max-new-tokens 32
     before=$status
@@ -57,7 +60,7 @@ case $mode in
     mkdir -p "$(dirname "$gguf")"
     cat ${GGUF_PARTS:-/tmp/gguf.stash} > "$gguf"
     sha256sum "$gguf"
-    step real_model 300 pytest_gpu --timeout 280 tests/models/test_smollm2.py -k cuda
+    step real_model 300 $PYTEST --timeout 280 tests/models/test_smollm2.py -k cuda
     step generate_real 90 python3 -m mpk generate --model smollm2-135m --backend cuda \
       --prompt "The capital of France is"
     ;;
@@ -73,7 +76,7 @@ case $mode in
     ;;
   tp)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    step tp_tests 300 pytest_gpu --timeout 300 tests/gpu/test_tp_gpu.py tests/parallel
+    step tp_tests 300 $PYTEST --timeout 300 tests/gpu/test_tp_gpu.py tests/parallel
     step generate_tp2 100 python3 -m mpk generate --model qwen3-8b --backend cuda --tp 2 --json \
       --max-new-tokens 32
     step bench_tp2 150 python3 -m mpk bench --model qwen3-8b --tp 2 --new-tokens 100

@@ -142,6 +142,9 @@ class CudaExecutor:
         if self._dead is not None:
             raise MpkError(f"this CudaExecutor cannot run again: {self._dead}. Create a new one.")
         self.plan.check_steps(num_steps)
+        if int(self.plan.lengths.max()) * num_steps >= 2**31:
+            raise MpkError(f"{num_steps} steps of {int(self.plan.lengths.max())} records per SM "
+                           f"is more than one launch can count (2^31); run fewer steps at once")
         missing = [t.name for i, t in enumerate(self.plan.tensors)
                    if i not in self._views and i not in self._bound]
         if missing:

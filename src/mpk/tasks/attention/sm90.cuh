@@ -43,7 +43,7 @@ constexpr int kWarps = NUM_THREADS / 32;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegBig = -1e30f;  // finite "minus infinity" for running maxima (no inf - inf)
-constexpr int kMaxD = 256;
+constexpr int kLanes = ATTN_MAX_HEAD_DIM / 32;  // head-vector elements per lane in prepare()
 
 struct Ctx {
   int B, G, D, KVH, PS, MAXP, S, NP, MAXPOS;
@@ -98,9 +98,9 @@ __device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* sme
       }
       continue;
     }
-    float v[kMaxD / 32], cs[kMaxD / 32], sn[kMaxD / 32], w[kMaxD / 32];
+    float v[kLanes], cs[kLanes], sn[kLanes], w[kLanes];
 #pragma unroll
-    for (int i = 0; i < kMaxD / 32; ++i) {
+    for (int i = 0; i < kLanes; ++i) {
       const int e = lane + 32 * i;
       v[i] = cs[i] = sn[i] = 0.f;
       w[i] = 1.f;
@@ -115,17 +115,17 @@ __device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* sme
     if (c.norm) {
       float ss = 0.f;
 #pragma unroll
-      for (int i = 0; i < kMaxD / 32; ++i) ss = fmaf(v[i], v[i], ss);
+      for (int i = 0; i < kLanes; ++i) ss = fmaf(v[i], v[i], ss);
       const float inv = dev::rms_inv(dev::warp_sum(ss), c.D, c.eps);
 #pragma unroll
-      for (int i = 0; i < kMaxD / 32; ++i) v[i] = dev::rmsnorm_elem(v[i], inv, w[i]);
+      for (int i = 0; i < kLanes; ++i) v[i] = dev::rmsnorm_elem(v[i], inv, w[i]);
     }
 #pragma unroll
-    for (int i = 0; i < kMaxD / 32; ++i)
+    for (int i = 0; i < kLanes; ++i)
       if (lane + 32 * i < c.D) buf[lane + 32 * i] = v[i];
     __syncwarp();
 #pragma unroll
-    for (int i = 0; i < kMaxD / 32; ++i) {
+    for (int i = 0; i < kLanes; ++i) {
       const int e = lane + 32 * i;
       if (e >= c.D) continue;
       const float o = e < half  // x1 * cos - x2 * sin | x2 * cos + x1 * sin

@@ -23,9 +23,14 @@ __device__ __forceinline__ int ld_relaxed_s32(const int* p) {
   return v;
 }
 
-// Release add at GPU scope, no return value (a fire-and-forget reduction in L2).
-__device__ __forceinline__ void red_release_add_u64(unsigned long long* p, unsigned long long v) {
-  asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+// Release fence at GPU scope (with a following strong write it forms a release pattern).
+__device__ __forceinline__ void fence_acq_rel_gpu() {
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+
+// Relaxed (strong) add at GPU scope, no return value; ordered after a preceding release fence.
+__device__ __forceinline__ void red_relaxed_add_u64(unsigned long long* p, unsigned long long v) {
+  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 // System-scope acquire load: for flags that a PEER GPU releases (tensor parallelism).

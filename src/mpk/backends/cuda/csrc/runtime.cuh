@@ -5,9 +5,13 @@
 //
 // Roles (RUNTIME_THREADS = NUM_THREADS consumers + one warpgroup of producers):
 //   consumers  (warps 0 .. NUM_THREADS/32-1) run the tasks, one record at a time, in list order;
-//   controller (warp CONTROLLER_WARP) fetches record k into ring slot k % NUM_SLOTS, resolves
-//              its params and operand pointers into the slot, waits on its counters and marks
-//              it ready; it runs up to NUM_SLOTS records ahead of the consumers;
+//   fetcher    (warp FETCHER_WARP) fetches record k into ring slot k % NUM_SLOTS and resolves
+//              its params and operand pointers into the slot as soon as the slot is free: up to
+//              NUM_SLOTS records ahead of the consumers, whatever their counters say, so the
+//              loader learns of upcoming weights early;
+//   controller (lane 0 of CONTROLLER_WARP) waits on the counters of each fetched record, in
+//              order, and marks it ready (measured: with fetch and wait in one loop the loader
+//              saw one record ahead only, and weights arrived just in time);
 //   loader     (one lane of LOADER_WARP) streams every record's weight pages (record
 //              STREAM_RUNS) into a ring of NUM_PAGES shared-memory pages with bulk copies, as far
 //              ahead as free pages allow: across tasks, ops and layers, because weights never
@@ -15,8 +19,8 @@
 //   storer     (one lane of STORER_WARP) waits until the consumers finish a record, fences and
 //              release-adds its signal counters, and frees the slot.
 // Hand-offs are mbarriers (parity waits; every role walks the same records in the same order):
-//   slot s:  loaded (controller -> loader), ready (controller -> consumers),
-//            done (8 consumer warps -> storer), freed (storer AND loader -> controller: the
+//   slot s:  loaded (fetcher -> controller, loader), ready (controller -> consumers),
+//            done (8 consumer warps -> storer), freed (storer AND loader -> fetcher: the
 //            loader must be done reading a slot before it is refilled, even when the consumers
 //            never waited for it, e.g. records without pages)
 //   page p:  full (loader's bulk copy -> consumers, with a byte count),
@@ -57,11 +61,12 @@ constexpr int CONSUMER_WARPS = NUM_THREADS / 32;
 constexpr int CONTROLLER_WARP = CONSUMER_WARPS;
 constexpr int LOADER_WARP = CONSUMER_WARPS + 1;
 constexpr int STORER_WARP = CONSUMER_WARPS + 2;
+constexpr int FETCHER_WARP = CONSUMER_WARPS + 3;
 constexpr int RUNTIME_THREADS = NUM_THREADS + 128;  // + one producer warpgroup
 constexpr int INTERNAL_TIMEOUT_FACTOR = 8;
-// Register budgets per role (setmaxnreg): 8 x 32 x 224 + 4 x 32 x 56 = 64,512 of 65,536.
-constexpr uint32_t CONSUMER_REGS = 224;
-constexpr uint32_t PRODUCER_REGS = 56;
+// Register budgets per role (setmaxnreg): 8 x 32 x 232 + 4 x 32 x 40 = 64,512 of 65,536.
+constexpr uint32_t CONSUMER_REGS = 232;
+constexpr uint32_t PRODUCER_REGS = 40;
 // Counter values the controller has already acquired, direct-mapped by counter id: a wait whose
 // target is covered needs no new acquire (the earlier one already ordered this CTA).
 constexpr int SEEN = 32;
@@ -75,7 +80,9 @@ struct __align__(16) Slot {
   unsigned long long base[REC_MAX_OPERANDS];  // operand tensors' base pointers (0: absent)
   unsigned long long stream;                  // this task's weight stream (0: none)
   unsigned long long t_wait, t_run;           // profiling stamps
-  int step, index, stop, pad;
+  int step, index, stop, bad_kind;
+  uint32_t page_seq;                          // ring sequence number of the record's page 0
+  int pad[3];
 };
 
 // Barrier block in static shared memory: full[NUM_PAGES], empty[NUM_PAGES] (PageCursor relies
@@ -90,7 +97,6 @@ struct Shared {
   Bars bars;
   int seen_ctr[SEEN];
   unsigned long long seen_val[SEEN];
-  int stop;            // the controller stopped (release/acquire, CTA scope)
   int consumers_gone;  // the consumers left after a stop
 };
 
@@ -192,43 +198,59 @@ __device__ __forceinline__ void fill_slot(const Params& p, Slot& slot, const int
   __syncwarp();
 }
 
-__device__ __forceinline__ void controller(const Params& p, Shared& sh, const int* list, int len,
-                                           long long total, int sm) {
+__device__ __forceinline__ void fetcher(const Params& p, Shared& sh, const int* list, int len,
+                                        int total) {
   const int lane = threadIdx.x & 31;
-  const long long limit = p.timeout_ns * INTERNAL_TIMEOUT_FACTOR;
   int i = 0, s = 0;
-  for (long long k = 0; k < total; ++k) {
+  uint32_t seq = 0;  // ring sequence number of the next record's page 0 (the loader counts alike)
+  for (int k = 0; k < total; ++k) {
     const int sl = (int)(k & (NUM_SLOTS - 1));
     const uint32_t round = (uint32_t)(k / NUM_SLOTS);
     Slot& slot = sh.slot[sl];
-    wait_or_trap(ptx::smem_u32(&sh.bars.freed[sl]), (round & 1u) ^ 1u, limit);
+    int go = 1;
+    if (lane == 0)  // the storer and the loader are done with record k - NUM_SLOTS
+      go = wait_unless_gone(ptx::smem_u32(&sh.bars.freed[sl]), (round & 1u) ^ 1u,
+                            &sh.consumers_gone);
+    if (!__shfl_sync(0xffffffffu, go, 0)) return;
+    __syncwarp();
     fill_slot(p, slot, list + (long long)i * REC_WORDS, lane);
-    int ok = 1;
     if (lane == 0) {
       slot.step = s;
       slot.index = i;
       slot.stop = 0;
       const int kind = slot.rec[REC_KIND];
-      if (kind < 0 || kind >= MPK_NUM_KINDS) {  // a corrupt record: the loader never sees it
-        record_stop(p, SMS_STATUS_BAD_KIND, sm, i, s, -1);
-        report_failure(p.error, p.abort_flag, ERR_CODE_BAD_KIND, sm, slot.rec, i, -1, 0, 0,
-                       p.step_begin + s);
-        ok = 0;
-      } else {
-        ptx::mbar_arrive(ptx::smem_u32(&sh.bars.loaded[sl]));
-        ok = wait_record(p, slot.rec, s, sm, i, sh) ? 1 : 0;
-      }
-      if (!ok) {
-        slot.stop = 1;
-        ptx::st_release_cta(&sh.stop, 1);
-      }
-      ptx::mbar_arrive(ptx::smem_u32(&sh.bars.ready[sl]));
+      slot.bad_kind = kind < 0 || kind >= MPK_NUM_KINDS;
+      if (slot.bad_kind) slot.stream = 0ull;  // a corrupt record: the loader copies nothing
+      slot.page_seq = seq;
+      if (slot.stream != 0ull) seq += (uint32_t)pages_of(slot.rec);
+      ptx::mbar_arrive(ptx::smem_u32(&sh.bars.loaded[sl]));
     }
-    if (!__shfl_sync(0xffffffffu, ok, 0)) return;
     if (++i == len) {
       i = 0;
       ++s;
     }
+  }
+}
+
+__device__ __forceinline__ void controller(const Params& p, Shared& sh, int total, int sm) {
+  const long long limit = p.timeout_ns * INTERNAL_TIMEOUT_FACTOR;
+  for (int k = 0; k < total; ++k) {
+    const int sl = (int)(k & (NUM_SLOTS - 1));
+    const uint32_t round = (uint32_t)(k / NUM_SLOTS);
+    Slot& slot = sh.slot[sl];
+    wait_or_trap(ptx::smem_u32(&sh.bars.loaded[sl]), round & 1u, limit);
+    bool ok;
+    if (slot.bad_kind) {
+      record_stop(p, SMS_STATUS_BAD_KIND, sm, slot.index, slot.step, -1);
+      report_failure(p.error, p.abort_flag, ERR_CODE_BAD_KIND, sm, slot.rec, slot.index, -1, 0,
+                     0, p.step_begin + slot.step);
+      ok = false;
+    } else {
+      ok = wait_record(p, slot.rec, slot.step, sm, slot.index, sh);
+    }
+    if (!ok) slot.stop = 1;  // the consumers leave when they reach this slot
+    ptx::mbar_arrive(ptx::smem_u32(&sh.bars.ready[sl]));
+    if (!ok) return;
   }
 }
 
@@ -242,10 +264,10 @@ __device__ __forceinline__ void drain(Shared& sh, uint32_t seq, long long limit)
 }
 
 __device__ __forceinline__ void loader(const Params& p, Shared& sh, uint32_t ring,
-                                       long long total) {
+                                       int total) {
   const uint64_t policy = ptx::l2_evict_first_policy();
   uint32_t seq = 0;  // ring sequence number of the next page
-  for (long long k = 0; k < total; ++k) {
+  for (int k = 0; k < total; ++k) {
     const int sl = (int)(k & (NUM_SLOTS - 1));
     const uint32_t round = (uint32_t)(k / NUM_SLOTS);
     if (!wait_unless_gone(ptx::smem_u32(&sh.bars.loaded[sl]), round & 1u, &sh.consumers_gone))
@@ -289,9 +311,9 @@ __device__ __forceinline__ void profile_record(const Params& p, const Slot& slot
 }
 #endif
 
-__device__ __forceinline__ void storer(const Params& p, Shared& sh, long long total, int sm) {
+__device__ __forceinline__ void storer(const Params& p, Shared& sh, int total, int sm) {
   bool aborted = false;
-  for (long long k = 0; k < total; ++k) {
+  for (int k = 0; k < total; ++k) {
     const int sl = (int)(k & (NUM_SLOTS - 1));
     const uint32_t round = (uint32_t)(k / NUM_SLOTS);
     if (!wait_unless_gone(ptx::smem_u32(&sh.bars.done[sl]), round & 1u, &sh.consumers_gone))
@@ -306,12 +328,15 @@ __device__ __forceinline__ void storer(const Params& p, Shared& sh, long long to
       aborted = true;
     }
 #endif
-    // The consumers' arrives ordered their stores before this thread; the fence plus the release
-    // make them visible GPU-wide before any consumer's acquire can see the new count.
-    __threadfence();
+    // The consumers' arrives ordered their stores before this thread (causality through the
+    // mbarrier); one release fence then makes them visible GPU-wide before any of the strong
+    // adds that follow can be seen (PTX release pattern: fence.acq_rel + strong write; release
+    // is cumulative). One fence per record: red.release would fence before every add, and
+    // __threadfence is a sequentially consistent fence (MEMBAR.SC), stronger than needed.
     const int n = aborted ? 0 : slot.rec[REC_NUM_SIGNALS];
+    if (n > 0) ptx::fence_acq_rel_gpu();
     for (int j = 0; j < n; ++j)
-      ptx::red_release_add_u64(p.counters + slot.rec[REC_SIGNALS + j], 1ull);
+      ptx::red_relaxed_add_u64(p.counters + slot.rec[REC_SIGNALS + j], 1ull);
 #ifdef MPK_PROFILE
     profile_record(p, slot, sm);
 #endif
@@ -320,18 +345,19 @@ __device__ __forceinline__ void storer(const Params& p, Shared& sh, long long to
 }
 
 // ---- consumers ------------------------------------------------------------------------------------
+// Little state is live across a task (the loop index; the page sequence comes with the slot), so
+// the tasks' registers never push it to local memory.
 __device__ __forceinline__ void consumers(const Params& p, Shared& sh, uint32_t ring, char* scratch,
-                                          long long total, const Params* task_params) {
+                                          int total, const Params* task_params) {
   const int tid = threadIdx.x;
-  const long long limit = p.timeout_ns * INTERNAL_TIMEOUT_FACTOR * REC_MAX_WAITS;
-  uint32_t seq = 0;
-  for (long long k = 0; k < total; ++k) {
+  for (int k = 0; k < total; ++k) {
     const int sl = (int)(k & (NUM_SLOTS - 1));
     const uint32_t round = (uint32_t)(k / NUM_SLOTS);
 #ifdef MPK_PROFILE
     const unsigned long long t_wait = ptx::globaltimer();  // the consumers are free
 #endif
-    wait_or_trap(ptx::smem_u32(&sh.bars.ready[sl]), round & 1u, limit);
+    wait_or_trap(ptx::smem_u32(&sh.bars.ready[sl]), round & 1u,
+                 p.timeout_ns * INTERNAL_TIMEOUT_FACTOR * REC_MAX_WAITS);
     Slot& slot = sh.slot[sl];
     if (slot.stop) {  // uniform: every consumer thread reads the same slot
       if (tid == 0) ptx::st_release_cta(&sh.consumers_gone, 1);
@@ -343,12 +369,11 @@ __device__ __forceinline__ void consumers(const Params& p, Shared& sh, uint32_t 
       slot.t_run = ptx::globaltimer();
     }
 #endif
-    const int npages = pages_of(slot.rec);
-    const PageCursor pages{ring, ptx::smem_u32(&sh.bars.full[0]), seq, npages, -1,
+    const int npages = slot.stream != 0ull ? pages_of(slot.rec) : 0;
+    const PageCursor pages{ring, ptx::smem_u32(&sh.bars.full[0]), slot.page_seq, npages, -1,
                            p.timeout_ns};
     const TaskArgs a{slot.rec, slot.params, slot.base, slot.step, scratch, task_params, pages};
     if (!dispatch(slot.rec[REC_KIND], a)) __trap();  // the controller checked the kind id
-    seq += (uint32_t)npages;
     // Every warp is out of this task before any warp starts the next one: a task owns the
     // scratch for its whole duration (a fast warp would otherwise overwrite what a slow one
     // still reads, e.g. an argmax result read after the task's last barrier).
@@ -369,7 +394,6 @@ __device__ __forceinline__ void init_barriers(Shared& sh) {
     ptx::mbar_init(ptx::smem_u32(&sh.bars.freed[i]), 2);  // the storer and the loader
   }
   for (int i = 0; i < SEEN; ++i) sh.seen_ctr[i] = -1;
-  sh.stop = 0;
   sh.consumers_gone = 0;
   ptx::mbar_init_fence();
 }
@@ -403,10 +427,11 @@ extern "C" __global__ void __launch_bounds__(mpk::RUNTIME_THREADS, 1)
   if (warp >= CONSUMER_WARPS) {
     ptx::setmaxnreg_dec<PRODUCER_REGS>();
     const int sm = blockIdx.x, lane = threadIdx.x & 31;
-    const long long total = (long long)p.lengths[sm] * p.num_steps;
-    if (warp == CONTROLLER_WARP) {
-      controller(p, sh, p.instrs + (long long)sm * p.max_len * REC_WORDS, p.lengths[sm], total,
-                 sm);
+    const int total = p.lengths[sm] * p.num_steps;  // < 2^31: the executor checks
+    if (warp == FETCHER_WARP) {
+      fetcher(p, sh, p.instrs + (long long)sm * p.max_len * REC_WORDS, p.lengths[sm], total);
+    } else if (warp == CONTROLLER_WARP) {
+      if (lane == 0) controller(p, sh, total, sm);
     } else if (warp == LOADER_WARP) {
       if (lane == 0) loader(p, sh, ptx::smem_u32(dyn_smem), total);
     } else if (warp == STORER_WARP) {
@@ -414,7 +439,7 @@ extern "C" __global__ void __launch_bounds__(mpk::RUNTIME_THREADS, 1)
     }
   } else {
     ptx::setmaxnreg_inc<CONSUMER_REGS>();
-    const long long total = (long long)p.lengths[blockIdx.x] * p.num_steps;
+    const int total = p.lengths[blockIdx.x] * p.num_steps;
     consumers(p, sh, ptx::smem_u32(dyn_smem), dyn_smem + NUM_PAGES * PAGE_BYTES, total,
               MPK_PARAMS_PTR);
   }
