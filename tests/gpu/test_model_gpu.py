@@ -5,9 +5,9 @@ CUDA. tests/test_check.py runs the same comparison with a CPU stand-in for the G
 
 from __future__ import annotations
 
-import random
 
 import pytest
+import torch
 
 from mpk.backends.base import create_executor
 from mpk.check import REFERENCE_TOL, run_check
@@ -18,6 +18,8 @@ from mpk.models.reference import ReferenceModel
 from mpk.models.weights import random_weights
 from mpk.testing import teacher_forced_gaps
 from tests.interp.model_run import make_plan, run_prompts
+
+SEED = 20261201  # fixed: CI is deterministic (vary it by hand to sweep)
 
 pytestmark = pytest.mark.gpu
 
@@ -35,7 +37,7 @@ CASES = [
 def test_every_buffer_matches_interpreter(preset: str, num_layers: int | None) -> None:
     cfg = get_preset(preset)
     layers = range(num_layers if num_layers else cfg.num_layers)
-    rows = run_check(cfg, layers, "cuda", seed=random.randrange(1 << 30))
+    rows = run_check(cfg, layers, "cuda", seed=SEED)
     bad = [r for r in rows if not r.passed]
     assert not bad, "\n".join(f"{r.tensor}: rel err {r.rel_err:.3g} > {r.tolerance}" for r in bad)
 
@@ -43,12 +45,12 @@ def test_every_buffer_matches_interpreter(preset: str, num_layers: int | None) -
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "qwen3-0.6b", "llama-3.2-1b"])
 def test_greedy_64_tokens_teacher_forced(preset: str) -> None:
     cfg = get_preset(preset)
-    seed = random.randrange(1 << 30)
+    seed = SEED
     weights = random_weights(cfg, seed=seed)
     shape = DecodeShape(batch=1, steps_per_launch=32, page_size=16, max_pages=8, num_pages=8)
     ex = create_executor(make_plan(cfg, shape, num_sms=132), "cuda", poison=True)
     bind_model(ex, ex.plan, cfg, shape, weights, seed)
-    prompt = [random.randrange(cfg.vocab_size) for _ in range(5)]
+    prompt = [int(t) for t in torch.randint(cfg.vocab_size, (5,), generator=torch.Generator().manual_seed(seed))]
     tokens = run_prompts(ex, shape, [prompt], new_tokens=64)[0]
     ref = ReferenceModel(cfg, weights, max_seq=shape.max_seq_len)
     gaps = teacher_forced_gaps(ref, prompt, tokens)
@@ -64,7 +66,7 @@ def test_greedy_64_tokens_teacher_forced(preset: str) -> None:
 
 def test_batched_prompts_match_single_runs() -> None:
     cfg = get_preset("tiny-llama")
-    seed = random.randrange(1 << 30)
+    seed = SEED
     weights = random_weights(cfg, seed=seed)
     prompts = [[1, 2, 3], [9], [4, 5, 6, 7, 8]]
     shape = DecodeShape(batch=3, steps_per_launch=8, page_size=4, max_pages=8, num_pages=32)

@@ -10,7 +10,6 @@ compiler should have removed, so this also checks the transitive reduction.
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import numpy as np
 import torch
@@ -58,7 +57,7 @@ def _drop_wait(plan: Plan, sm: int, index: int, w: int) -> Plan:
 
 def test_dropping_any_wait_is_detected() -> None:
     cfg = get_preset("tiny-qwen3")
-    seed = random.randrange(1 << 30)
+    seed = 7919  # fixed: CI is deterministic
     weights = random_weights(cfg, seed=seed)
     plan = make_plan(cfg, SHAPE, num_sms=8)
     baseline = _run(plan, cfg, weights, seed)

@@ -3,7 +3,6 @@ transformers saved itself: same greedy tokens as `generate`, logits within bf16 
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -45,12 +44,12 @@ LOGITS_TOL = 3e-2
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama"])
 def test_logits_within_bf16_tolerance(tmp_path, name: str, make_hf_model) -> None:
-    seed = random.randrange(1 << 20)
+    seed = 20261201  # fixed: CI is deterministic
     hf, cfg, weights = _saved(tmp_path, make_hf_model, name, seed)
     exact = type(hf).from_pretrained(tmp_path / f"{name}-{seed}", dtype=torch.float32,
                                      attn_implementation="eager").eval()
     ex = _mpk(cfg, weights, seed)
-    prompt = [random.randrange(cfg.vocab_size) for _ in range(6)]
+    prompt = [int(t) for t in torch.randint(cfg.vocab_size, (6,), generator=torch.Generator().manual_seed(seed))]
     forced = torch.full((SHAPE.steps_per_launch, 2), -1, dtype=torch.int32)
     forced[:6, 0] = torch.tensor(prompt)
     forced[:6, 1] = torch.tensor(prompt)
