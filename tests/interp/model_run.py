@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import torch
-
 from mpk.backends.base import create_executor
 from mpk.compiler.lower import compile_graph
 from mpk.compiler.plan import Plan
+from mpk.engine.kv_cache import PagePool
+from mpk.engine.requests import RequestHandle, SamplingParams
+from mpk.engine.scheduler import Scheduler
 from mpk.models.builder import DecodeShape, build_graph
 from mpk.models.config import ModelConfig
 
@@ -15,25 +16,17 @@ def make_plan(cfg: ModelConfig, shape: DecodeShape, num_sms: int, fuse_ops: bool
     return compile_graph(build_graph(cfg, shape, num_sms=num_sms), num_sms, fuse_ops=fuse_ops)
 
 
-def run_prompts(ex, shape: DecodeShape, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Token-by-token prompt processing then greedy decode, over several launches."""
-    b, per = len(prompts), shape.steps_per_launch
-    total = max(len(p) for p in prompts) - 1 + new_tokens
-    produced, step = [], 0
-    while step < total:
-        n = min(per, total - step)
-        forced = torch.full((per, b), -1, dtype=torch.int32)
-        for row, p in enumerate(prompts):
-            for s in range(n):
-                if step + s < len(p):
-                    forced[s, row] = p[step + s]
-        ex.write("prompt", forced)
-        ex.write("positions", torch.full((b,), step, dtype=torch.int32))
-        ex.run(n)
-        produced.append(ex.read("tokens_out")[:n])
-        step += n
-    toks = torch.cat(produced)
-    return [toks[len(p) - 1: len(p) - 1 + new_tokens, row].tolist() for row, p in enumerate(prompts)]
+def run_prompts(ex, shape: DecodeShape, prompts: list[list[int]], new_tokens: int,
+                eos: tuple[int, ...] = ()) -> list[list[int]]:
+    """Greedy generation on `ex` through the engine's own scheduler (its page pool, page table
+    and launches): each prompt's new tokens."""
+    sched = Scheduler(ex, PagePool(shape.num_pages, shape.page_size), shape.batch,
+                      shape.max_pages, shape.steps_per_launch)
+    params = SamplingParams(max_tokens=new_tokens, stop_token_ids=eos)
+    handles = [sched.submit(RequestHandle(list(p), params)) for p in prompts]
+    while sched.has_work():
+        sched.step()
+    return [h.result().token_ids for h in handles]
 
 
 def executor(plan: Plan, **opts):

@@ -11,7 +11,6 @@ import torch
 from mpk.compiler.lower import compile_graph
 from mpk.dtypes import DType
 from mpk.engine.bind import bind_model
-from mpk.engine.decode import decode
 from mpk.errors import MpkError
 from mpk.graph.graph import Graph
 from mpk.models.builder import DecodeShape
@@ -97,6 +96,10 @@ def test_two_ranks_equal_the_single_rank_plan(preset: str) -> None:
     _, full = _ranks(cfg, seed, weights, order="schedule")
     assert run_prompts(full, SHAPE, PROMPTS, NEW_TOKENS) == want, f"seed {seed}"
     assert _rel(full.read("logits"), logits[-1]) < LOGITS_TOL  # read() also checks ranks agree
+    # The single-rank plan through the same scheduler: the same pages hold the same positions.
+    single = executor(make_plan(cfg, SHAPE, NUM_SMS))
+    bind_model(single, single.plan, cfg, SHAPE, weights, seed)
+    assert run_prompts(single, SHAPE, PROMPTS, NEW_TOKENS) == want
     for name in ("k_cache.0", "v_cache.1"):  # each rank's KV heads, gathered
         assert _rel(full.read(name).float(), single.read(name).float()) < LOGITS_TOL, name
     with pytest.raises(MpkError, match="rank-local"):  # each rank's own partial sum
@@ -115,8 +118,8 @@ def test_one_rank_tp_plan_equals_the_single_rank_plan() -> None:
     seed, weights, _, tokens, _ = _single_rank(cfg)
     full = MultiRankCpuExecutor(rank_plans(cfg, SHAPE, 1, NUM_SMS)).as_executor()
     bind_model(full, full.plan, cfg, SHAPE, weights, seed)
-    # Driven by the engine's own decode loop: the Executor protocol is all it needs.
-    got, _ = decode(full, PROMPTS, NEW_TOKENS, (), SHAPE.steps_per_launch)
+    # Driven by the engine's own scheduler: the Executor protocol is all it needs.
+    got = run_prompts(full, SHAPE, PROMPTS, NEW_TOKENS)
     assert got == _generated(tokens)
 
 

@@ -1,8 +1,9 @@
 """Engine: a model's weights plus one compiled decode Plan per batch size, and greedy generation.
 
 The engine owns what lies outside the megakernel: request validation, KV-cache pages, the page
-table, the host loop over launches (mpk.engine.decode) and stop rules. It talks to a backend only
-through the Executor protocol, so the CPU interpreter and the CUDA megakernel run the same loop.
+table, the host loop over launches (mpk.engine.scheduler) and stop rules. It talks to a backend
+only through the Executor protocol, so the CPU interpreter and the CUDA megakernel run the same
+loop.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from mpk.backends.base import Executor, create_executor
 from mpk.compiler.cache import compile_cached
 from mpk.compiler.plan import Plan
 from mpk.dtypes import DType
-from mpk.engine.decode import PAGE_TABLE, GenerationResult, decode, steps_needed, validate_request
 from mpk.engine.kv_cache import KvCache, KvShape
+from mpk.engine.requests import (GenerationResult, InvalidRequestError, RequestHandle,
+                                 SamplingParams, positions_needed, validate_prompt)
+from mpk.engine.scheduler import Detokenize, LaunchStats, Scheduler
+from mpk.engine.serving import ServingLoop
 from mpk.errors import MpkError, UnsupportedError
 from mpk.models.builder import DecodeShape, build_graph, graph_weights
 from mpk.models.config import ModelConfig
@@ -119,6 +123,7 @@ class Engine:
         # None: show progress bars only when stderr is a terminal.
         self.progress = sys.stderr.isatty() if progress is None else progress
         self._runners: dict[int, _Runner] = {}
+        self._serving: ServingLoop | None = None
         start = time.perf_counter()
         # The RoPE table covers every position a full page table can reach.
         self._weights = _graph_weights(cfg, hf_weights, self.options.max_pages * page_size,
@@ -129,6 +134,46 @@ class Engine:
     def max_seq_len(self) -> int:
         return self.options.max_seq_len
 
+    # ---- serving: requests that come and go ----------------------------------------------
+    def start(self, max_batch: int = 8, detokenize: Detokenize | None = None) -> None:
+        """Serve submitted requests on a background thread, up to `max_batch` at once (one plan
+        of max_batch rows). `detokenize` (token ids -> text) enables stop strings."""
+        if self._serving is not None:
+            raise MpkError("the engine is already serving")
+        timings = {"compile_s": 0.0, "load_s": 0.0}
+        runner = self._runner(max_batch, timings)
+        sched = Scheduler(runner.executor, runner.cache.pool, max_batch, self.options.max_pages,
+                          self.options.steps_per_launch, detokenize=detokenize)
+        self._serving = ServingLoop(sched)
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams | None = None) -> RequestHandle:
+        """Queue one request (after start()); iterate the handle for its tokens."""
+        if self._serving is None:
+            raise MpkError("call start() before submit()")
+        params = params or SamplingParams()
+        if not params.greedy:
+            raise InvalidRequestError(
+                f"temperature {params.temperature}: sampling is not supported yet, only greedy "
+                f"decoding (temperature 0)")
+        row = validate_prompt(prompt, self.cfg.vocab_size)
+        need = positions_needed(len(row), params.max_tokens)
+        if need > self.options.max_seq_len:
+            raise InvalidRequestError(
+                f"a prompt of {len(row)} tokens with max_tokens={params.max_tokens} needs {need} "
+                f"positions, more than max_seq_len={self.options.max_seq_len}")
+        return self._serving.submit(RequestHandle(row, params))
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop serving: drain (finish what was submitted) or cancel it, then end the loop."""
+        if self._serving is not None:
+            self._serving.stop(drain, timeout)
+            self._serving = None
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """The serving scheduler (slots, waiting queue, page pool), for metrics."""
+        return self._serving.scheduler if self._serving is not None else None
+
     @property
     def plans(self) -> dict[int, Plan]:
         """The compiled plans, by batch size."""
@@ -137,35 +182,49 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  eos_token_ids: Iterable[int] = ()) -> GenerationResult:
         """Greedy continuation of each prompt: up to max_new_tokens new ids per prompt, cut
-        after the first EOS id (which is kept). Prompts of different lengths share one batch."""
-        opts = self.options
-        rows = validate_request(prompts, max_new_tokens, self.cfg.vocab_size, opts.max_seq_len)
+        after the first EOS id (which is kept). All prompts run in one batch (a plan of
+        len(prompts) rows); prompts of different lengths share it."""
+        rows = self._validate(prompts, max_new_tokens)
         timings = {"compile_s": 0.0, "load_s": self._unreported_load_s}
         self._unreported_load_s = 0.0
+        params = SamplingParams(max_tokens=max_new_tokens,
+                                stop_token_ids=tuple(int(t) for t in eos_token_ids))
         if max_new_tokens == 0:
             return GenerationResult([[] for _ in rows], {**timings, "prefill_s": 0.0,
                                                          "decode_s": 0.0, "ms_per_token": 0.0,
                                                          "steps": 0, "launches": 0})
+        if self._serving is not None:  # share the serving slots rather than a second plan
+            handles = [self.submit(row, params) for row in rows]
+            return GenerationResult([h.result().token_ids for h in handles], timings)
         runner = self._runner(len(rows), timings)
-        total = steps_needed(rows, max_new_tokens)
-        pool = runner.cache.pool
-        pages = []
-        try:
-            for _ in rows:
-                pages.append(pool.allocate(total))
-            runner.executor.write(PAGE_TABLE, runner.cache.page_table(pages, opts.max_pages))
-            with tqdm(total=total, desc="generating", unit="step", disable=not self.progress,
-                      leave=False) as bar:
-                token_ids, stats = decode(runner.executor, rows, max_new_tokens, eos_token_ids,
-                                          opts.steps_per_launch, on_steps=bar.update)
-        finally:
-            for row_pages in pages:
-                pool.free(row_pages)
-        per_step = stats.decode_s / stats.decode_steps if stats.decode_steps else (
-            (stats.prefill_s + stats.decode_s) / max(stats.steps, 1))
-        timings.update(prefill_s=stats.prefill_s, decode_s=stats.decode_s,
-                       ms_per_token=per_step * 1e3, steps=stats.steps, launches=stats.launches)
-        return GenerationResult(token_ids, timings)
+        sched = Scheduler(runner.executor, runner.cache.pool, len(rows), self.options.max_pages,
+                          self.options.steps_per_launch)
+        handles = [sched.submit(RequestHandle(row, params)) for row in rows]
+        total = max(len(r) + max_new_tokens - 1 for r in rows)
+        with tqdm(total=total, desc="generating", unit="step", disable=not self.progress,
+                  leave=False) as bar:
+            while sched.has_work():
+                bar.update(sched.step())
+        timings.update(_split_timings(sched.stats, handles))
+        return GenerationResult([h.result().token_ids for h in handles], timings)
+
+    def _validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise InvalidRequestError("prompts must be a list of token-id lists")
+        if not prompts:
+            raise InvalidRequestError("no prompts given: pass at least one list of token ids")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or \
+                max_new_tokens < 0:
+            raise InvalidRequestError(f"max_new_tokens must be an integer >= 0, got "
+                                      f"{max_new_tokens!r}")
+        rows = [validate_prompt(p, self.cfg.vocab_size, b) for b, p in enumerate(prompts)]
+        for b, row in enumerate(rows):
+            need = positions_needed(len(row), max_new_tokens)
+            if need > self.options.max_seq_len:
+                raise InvalidRequestError(
+                    f"prompt {b} has {len(row)} tokens; with max_new_tokens={max_new_tokens} it "
+                    f"needs {need} positions, more than max_seq_len={self.options.max_seq_len}")
+        return rows
 
     # ---- one compiled plan per batch size ----------------------------------------------------
     def _runner(self, batch: int, timings: dict[str, float]) -> _Runner:
@@ -249,3 +308,21 @@ def _bind_all(plan: Plan, executor: Executor, weights: Mapping[str, torch.Tensor
                 tensor = torch.zeros(t.shape, dtype=DType(t.dtype).torch, device=device)
             executor.bind(t.name, tensor)
 
+
+
+def _split_timings(stats: LaunchStats, handles: Sequence[RequestHandle]) -> dict[str, float]:
+    """prefill_s: launch time until every request had its first token; decode_s: the rest;
+    ms_per_token: decode time per decode step (every step yields one token per row)."""
+    firsts = [h.stats.token_times[0] for h in handles if h.stats.token_times]
+    first_done = max(firsts) if firsts else float("inf")
+    prefill = decode = 0.0
+    decode_steps = 0
+    for start, end, n in stats.launch_times:
+        if end <= first_done:
+            prefill += end - start
+        else:
+            decode += end - start
+            decode_steps += n
+    per_step = decode / decode_steps if decode_steps else stats.seconds / max(stats.steps, 1)
+    return {"prefill_s": prefill, "decode_s": decode, "ms_per_token": per_step * 1e3,
+            "steps": stats.steps, "launches": stats.launches}

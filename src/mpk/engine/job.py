@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mpk.engine.decode import GenerationResult
+from mpk.engine.requests import GenerationResult
 from mpk.engine.engine import Engine
 from mpk.models.config import ModelConfig
 from mpk.models.weights import load_checkpoint, random_weights

@@ -25,6 +25,7 @@ import torch
 from mpk.dtypes import DType
 from mpk.errors import UnsupportedError
 from mpk.graph.graph import Graph
+from mpk.models import decode_io as io
 from mpk.models.config import ModelConfig
 from mpk.models.rope import rope_table
 from mpk.tasks.linear.task import MAX_BATCH
@@ -88,16 +89,16 @@ def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = 132,
         tp.check(cfg)
     g = Graph()
     b, h, d = shape.batch, cfg.hidden_size, cfg.head_dim
-    g.add_tensor("prompt", (shape.steps_per_launch, b), I32, Role.IO)
-    g.add_tensor("positions", (b,), I32, Role.IO)
-    g.add_tensor("page_table", (b, shape.max_pages), I32, Role.IO)
-    g.add_tensor("tokens_out", (shape.steps_per_launch, b), I32, Role.IO)
-    g.add_tensor("tokens", (b,), I32, Role.ACTIVATION)
+    g.add_tensor(io.PROMPT, (shape.steps_per_launch, b), I32, Role.IO)
+    g.add_tensor(io.POSITIONS, (b,), I32, Role.IO)
+    g.add_tensor(io.PAGE_TABLE, (b, shape.max_pages), I32, Role.IO)
+    g.add_tensor(io.TOKENS_OUT, (shape.steps_per_launch, b), I32, Role.IO)
+    g.add_tensor(io.TOKENS, (b,), I32, Role.ACTIVATION)
     g.add_tensor("embed", (cfg.vocab_size, h), BF16, Role.WEIGHT)
     g.add_tensor("rope", (shape.max_seq_len, d), F32, Role.WEIGHT)
     g.add_tensor("hidden", (b, h), BF16, Role.ACTIVATION)
     g.add_op("embedding", "embed", (choose_split(h, max(1, h // 256), 64),),
-             {"tokens": "tokens", "prompt": "prompt", "table": "embed", "out": "hidden"})
+             {"tokens": io.TOKENS, "prompt": io.PROMPT, "table": "embed", "out": "hidden"})
     for layer in layers:
         _attention_block(g, cfg, shape, num_sms, layer, tp)
         _mlp_block(g, cfg, shape, num_sms, layer, tp)
@@ -122,7 +123,7 @@ def _lm_head(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int) -> No
                                              "out": "logits", "part_val": "argmax_val",
                                              "part_idx": "argmax_idx"}, epilogue="argmax")
     g.add_op("argmax_reduce", "sample", (1,), {"part_val": "argmax_val", "part_idx": "argmax_idx",
-                                               "tokens": "tokens", "tokens_out": "tokens_out"})
+                                               "tokens": io.TOKENS, "tokens_out": io.TOKENS_OUT})
 
 
 def _attention_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int,
@@ -137,8 +138,8 @@ def _attention_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: in
     g.add_tensor(p + "qkv_weight", (width, h), BF16, Role.WEIGHT)
     g.add_tensor(p + "o_weight", (h, kvh * group * d), BF16, Role.WEIGHT)
     cache = (shape.num_pages, shape.page_size, kvh, d)
-    g.add_tensor(f"k_cache.{layer}", cache, BF16, Role.IO)
-    g.add_tensor(f"v_cache.{layer}", cache, BF16, Role.IO)
+    g.add_tensor(io.k_cache(layer), cache, BF16, Role.IO)
+    g.add_tensor(io.v_cache(layer), cache, BF16, Role.IO)
     g.add_tensor(p + "x_norm", (b, h), BF16, Role.ACTIVATION)
     g.add_tensor(p + "qkv", (b, width), BF16, Role.ACTIVATION)
     g.add_tensor(p + "attn", (b, kvh * group * d), BF16, Role.ACTIVATION)
@@ -158,9 +159,9 @@ def _attention(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int, p: 
     # costs more than it saves below a few hundred positions per (row, KV head).
     splits = max(1, min(16, num_sms // (kvh * b), shape.max_pages,
                         -(-shape.max_seq_len // SPLIT_POSITIONS)))
-    ops = {"qkv": p + "qkv", "rope": "rope", "positions": "positions",
-           "page_table": "page_table", "k_cache": f"k_cache.{layer}",
-           "v_cache": f"v_cache.{layer}"}
+    ops = {"qkv": p + "qkv", "rope": "rope", "positions": io.POSITIONS,
+           "page_table": io.PAGE_TABLE, "k_cache": io.k_cache(layer),
+           "v_cache": io.v_cache(layer)}
     if cfg.qk_norm:
         g.add_tensor(p + "q_norm", (d,), BF16, Role.WEIGHT)
         g.add_tensor(p + "k_norm", (d,), BF16, Role.WEIGHT)

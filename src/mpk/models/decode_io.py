@@ -1,0 +1,33 @@
+"""The decode step's IO contract: the graph tensors the host writes and reads around a launch.
+
+One module owns these names and shapes; the builder creates the tensors, the engine, bench,
+profile and check drive them.
+
+| tensor | shape | meaning |
+|---|---|---|
+| PROMPT | [steps_per_launch, B] i32 | row s: the token forced at local step s, NO_FORCE = embed the previous sample |
+| POSITIONS | [B] i32 | each row's position at local step 0 of the launch |
+| PAGE_TABLE | [B, max_pages] i32 | each row's KV pages (NO_PAGE past its allocation) |
+| TOKENS_OUT | [steps_per_launch, B] i32 | row s: the token produced at local step s |
+| TOKENS | [B] i32 (activation) | the last token produced: what the next step embeds unless forced |
+| k_cache.{l}, v_cache.{l} | [num_pages, page_size, kv_heads, head_dim] bf16 | paged KV cache of layer l |
+"""
+
+from __future__ import annotations
+
+PROMPT = "prompt"
+POSITIONS = "positions"
+PAGE_TABLE = "page_table"
+TOKENS_OUT = "tokens_out"
+TOKENS = "tokens"
+NO_FORCE = -1  # a PROMPT entry that lets the row embed its own previous token
+NO_PAGE = -1  # a PAGE_TABLE entry that holds no page: the kernels neither read nor write it
+INPUTS = (PROMPT, POSITIONS, PAGE_TABLE)
+
+
+def k_cache(layer: int) -> str:
+    return f"k_cache.{layer}"
+
+
+def v_cache(layer: int) -> str:
+    return f"v_cache.{layer}"

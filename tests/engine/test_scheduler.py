@@ -1,0 +1,203 @@
+"""The continuous-batching scheduler against a fake executor whose 'model' is an arithmetic rule.
+
+The fake follows the backend step semantics exactly (prompt rows, per-row positions, page table,
+tokens_out, local steps), so these tests pin down the scheduler's bookkeeping without compiling a
+model: staggered arrivals give each request its solo tokens, slots and pages are reused, stops,
+cancellation and KV exhaustion lose nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpk.engine.kv_cache import PagePool
+from mpk.engine.requests import (FinishReason, InvalidRequestError, RequestHandle,
+                                 SamplingParams, validate_prompt)
+from mpk.engine.scheduler import Scheduler
+from mpk.models import decode_io as io
+
+VOCAB = 97
+PAGE = 4
+MAX_PAGES = 16
+
+
+def rule(token: int, position: int) -> int:
+    return (token * 7 + position + 1) % VOCAB
+
+
+class FakeExecutor:
+    """Next token = rule(embedded token, position). Records every launch's page table and checks
+    that a row never embeds an invalid token."""
+
+    def __init__(self, batch: int, steps_per_launch: int) -> None:
+        self.io = {io.PROMPT: torch.zeros(steps_per_launch, batch, dtype=torch.int32),
+                   io.POSITIONS: torch.zeros(batch, dtype=torch.int32),
+                   io.PAGE_TABLE: torch.zeros(batch, MAX_PAGES, dtype=torch.int32),
+                   io.TOKENS_OUT: torch.full((steps_per_launch, batch), -7, dtype=torch.int32)}
+        self.tokens = torch.full((batch,), -5, dtype=torch.int32)
+        self.launches: list[int] = []
+        self.tables: list[torch.Tensor] = []
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        assert value.shape == self.io[name].shape, name
+        self.io[name].copy_(value)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.io[name].clone()
+
+    def run(self, num_steps: int = 1) -> None:
+        assert 1 <= num_steps <= self.io[io.PROMPT].shape[0]
+        self.launches.append(num_steps)
+        self.tables.append(self.io[io.PAGE_TABLE].clone())
+        for s in range(num_steps):
+            for b in range(self.tokens.shape[0]):
+                forced = int(self.io[io.PROMPT][s, b])
+                token = forced if forced >= 0 else int(self.tokens[b])
+                assert 0 <= token < VOCAB, f"row {b} embeds {token} at local step {s}"
+                self.tokens[b] = rule(token, int(self.io[io.POSITIONS][b]) + s)
+            self.io[io.TOKENS_OUT][s] = self.tokens
+
+
+def solo(prompt: list[int], max_new: int, stop: tuple[int, ...] = ()) -> list[int]:
+    token, out = prompt[0], []
+    for pos in range(len(prompt) + max_new - 1):
+        token = prompt[pos] if pos < len(prompt) else token
+        token = rule(token, pos)
+        if pos >= len(prompt) - 1:
+            out.append(token)
+            if token in stop:
+                break
+    return out
+
+
+def make(slots: int, steps: int, pages: int = 64, **opts) -> tuple[Scheduler, FakeExecutor]:
+    ex = FakeExecutor(slots, steps)
+    return Scheduler(ex, PagePool(pages, PAGE), slots, MAX_PAGES, steps, **opts), ex
+
+
+def drain(sched: Scheduler) -> None:
+    while sched.has_work():
+        sched.step()
+
+
+PROMPTS = [[5, 9, 2], [11], [3, 1, 4, 1, 5, 9, 2]]
+
+
+@pytest.mark.parametrize("steps_per_launch", [1, 3, 4, 16])
+def test_rows_of_different_lengths_match_the_rule(steps_per_launch: int) -> None:
+    sched, ex = make(3, steps_per_launch)
+    handles = [sched.submit(RequestHandle(p, SamplingParams(max_tokens=12))) for p in PROMPTS]
+    drain(sched)
+    assert [h.result().token_ids for h in handles] == [solo(p, 12) for p in PROMPTS]
+    assert sum(ex.launches) == sched.stats.steps == 7 + 12 - 1
+    assert all(h.result().finish_reason is FinishReason.LENGTH for h in handles)
+    assert sched.pool.num_free == 64  # every page came back
+
+
+def test_staggered_arrivals_get_their_solo_tokens() -> None:
+    """More requests than slots, arriving between launches: each gets exactly its solo run."""
+    sched, ex = make(2, 3)
+    prompts = [[5, 9, 2], [11], [3, 1, 4, 1, 5], [42, 7], [8] * 9]
+    handles = []
+    for i, p in enumerate(prompts):
+        handles.append(sched.submit(RequestHandle(p, SamplingParams(max_tokens=5 + i))))
+        sched.step()  # one launch between arrivals
+    drain(sched)
+    for i, (p, h) in enumerate(zip(prompts, handles)):
+        assert h.result().token_ids == solo(p, 5 + i), i
+    assert sched.pool.num_free == 64
+
+
+def test_a_stop_id_frees_the_slot_for_a_waiting_request() -> None:
+    free = solo([11], 30)
+    eos = free[4]
+    sched, ex = make(1, 4, eos_token_ids=[eos])
+    first = sched.submit(RequestHandle([11], SamplingParams(max_tokens=30)))
+    second = sched.submit(RequestHandle([3, 1], SamplingParams(max_tokens=6)))
+    drain(sched)
+    assert first.result().token_ids == free[:5] and first.result().finish_reason is FinishReason.STOP
+    assert second.result().token_ids == solo([3, 1], 6, (eos,))
+    assert sum(ex.launches) < 30  # the first request stopped early
+
+
+def test_cancelled_requests_lose_nothing_else() -> None:
+    sched, ex = make(2, 2)
+    a = sched.submit(RequestHandle([1, 2, 3], SamplingParams(max_tokens=20)))
+    b = sched.submit(RequestHandle([4], SamplingParams(max_tokens=8)))
+    c = sched.submit(RequestHandle([5, 6], SamplingParams(max_tokens=8)))  # waits for a slot
+    d = sched.submit(RequestHandle([7], SamplingParams(max_tokens=8)))
+    sched.step()
+    a.cancel()
+    d.cancel()  # still waiting: never runs
+    drain(sched)
+    assert a.result().finish_reason is FinishReason.CANCELLED
+    assert a.result().token_ids == solo([1, 2, 3], 20)[: len(a.result().token_ids)]
+    assert d.result().finish_reason is FinishReason.CANCELLED and d.result().token_ids == []
+    assert b.result().token_ids == solo([4], 8) and c.result().token_ids == solo([5, 6], 8)
+    assert sched.pool.num_free == 64
+
+
+def test_requests_wait_for_pages_and_too_large_ones_are_refused() -> None:
+    sched, ex = make(3, 4, pages=6)  # 6 pages of 4 positions
+    big = SamplingParams(max_tokens=10)  # 3 + 10 - 1 = 12 positions = 3 pages each
+    hs = [sched.submit(RequestHandle([1, 2, 3], big)) for _ in range(3)]
+    sched.step()
+    assert sched.num_running == 2 and len(sched.waiting) == 1  # the third waits for pages
+    drain(sched)
+    assert all(h.result().token_ids == solo([1, 2, 3], 10) for h in hs)
+    with pytest.raises(InvalidRequestError, match="needs 7 KV pages"):
+        sched.submit(RequestHandle([1] * 20, SamplingParams(max_tokens=9)))
+
+
+def test_empty_slots_write_no_kv_pages() -> None:
+    sched, ex = make(3, 4)
+    h = sched.submit(RequestHandle([1, 2], SamplingParams(max_tokens=3)))
+    drain(sched)
+    assert h.result().token_ids == solo([1, 2], 3)
+    assert all(bool((t[1:] == io.NO_PAGE).all()) for t in ex.tables)
+
+
+def test_stop_strings_cut_the_text() -> None:
+    def detok(ids: list[int]) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+    sched, ex = make(1, 4, detokenize=detok)
+    tokens = solo([3], 12)
+    text = detok(tokens)
+    stop = text[3:5]
+    h = sched.submit(RequestHandle([3], SamplingParams(max_tokens=12, stop=(stop,))))
+    drain(sched)
+    result = h.result()
+    assert result.finish_reason is FinishReason.STOP and result.text == text[: text.find(stop)]
+
+
+def test_zero_max_tokens_and_stats() -> None:
+    sched, ex = make(1, 4)
+    empty = sched.submit(RequestHandle([1], SamplingParams(max_tokens=0)))
+    h = sched.submit(RequestHandle([1, 2], SamplingParams(max_tokens=6)))
+    drain(sched)
+    assert empty.result().token_ids == [] and ex.launches == [4, 3]
+    stats = h.result().stats
+    assert stats.ttft_s is not None and stats.ttft_s >= 0 and len(stats.inter_token_s) == 5
+    assert list(h) == h.result().token_ids  # the stream holds the same tokens
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_tokens": -1}, "max_tokens"), ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"top_k": 1.5}, "top_k"), ({"seed": "x"}, "seed"),
+    ({"stop": ("",)}, "stop"), ({"temperature": float("nan")}, "temperature"),
+])
+def test_bad_sampling_params(kwargs: dict, message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(("prompt", "message"), [
+    ([], "prompt 0 is empty"), ([1, 256], r"token id 256 is outside the vocabulary \[0, 256\)"),
+    ([-1], "token id -1"), ([1.5], "token id 1.5"), ("hello", "expected a list"),
+    ([True], "token id True"),
+])
+def test_bad_prompts(prompt: object, message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=message):
+        validate_prompt(prompt, 256)  # type: ignore[arg-type]

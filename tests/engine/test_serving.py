@@ -1,0 +1,74 @@
+"""The serving loop on the CPU interpreter with a tiny model: requests submitted from another
+thread at staggered times, more than the slots, get their solo greedy tokens; drain and cancel."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from mpk.engine import Engine, FinishReason, SamplingParams
+from mpk.engine.serving import EngineStoppedError
+from mpk.models.config import get_preset
+from mpk.models.reference import ReferenceModel
+from mpk.models.weights import random_weights
+from mpk.testing import greedy_mismatches
+
+SEED = 4242
+PROMPTS = [[1, 5, 9, 3], [7, 2], [4, 4, 4, 4, 4, 1], [9], [3, 3, 8, 1, 2]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = get_preset("tiny-llama")
+    return cfg, random_weights(cfg, seed=SEED)
+
+
+def test_staggered_requests_match_the_reference(model) -> None:
+    cfg, weights = model
+    engine = Engine(cfg, weights, backend="cpu", num_sms=4, max_seq_len=64, steps_per_launch=4,
+                    progress=False)
+    engine.start(max_batch=2)
+    handles = []
+
+    def client() -> None:
+        for i, p in enumerate(PROMPTS):
+            handles.append(engine.submit(p, SamplingParams(max_tokens=6 + i)))
+            time.sleep(0.05 * i)
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    thread.join()
+    got = [h.result(timeout=120).token_ids for h in handles]
+    engine.stop()
+    assert [len(g) for g in got] == [6 + i for i in range(len(PROMPTS))]
+    bad = greedy_mismatches(ReferenceModel(cfg, weights, max_seq=64), PROMPTS, got)
+    assert not bad, "; ".join(bad)
+    assert engine.scheduler is None
+
+
+def test_drain_finishes_then_refuses_and_cancel_frees(model) -> None:
+    cfg, weights = model
+    engine = Engine(cfg, weights, backend="cpu", num_sms=4, max_seq_len=64, steps_per_launch=2,
+                    progress=False)
+    engine.start(max_batch=1)
+    long = engine.submit([1, 2, 3], SamplingParams(max_tokens=40))
+    queued = engine.submit([4], SamplingParams(max_tokens=3))
+    first = next(iter(long))  # wait until the long one runs
+    long.cancel()
+    assert queued.result(timeout=60).token_ids and queued.result().finish_reason is \
+        FinishReason.LENGTH
+    result = long.result(timeout=60)
+    assert result.finish_reason is FinishReason.CANCELLED and result.token_ids[0] == first
+    assert len(result.token_ids) < 40
+    sched = engine.scheduler
+    engine.stop(drain=True)
+    assert sched.pool.num_free == sched.pool.num_pages  # every page came back
+    with pytest.raises(Exception, match="start"):
+        engine.submit([1], SamplingParams(max_tokens=1))
+    engine.start(max_batch=1)
+    engine._serving._stopping = True  # a stop in progress refuses new work
+    with pytest.raises(EngineStoppedError):
+        engine.submit([1], SamplingParams(max_tokens=1))
+    engine.stop()
