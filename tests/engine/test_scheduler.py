@@ -34,7 +34,8 @@ class FakeExecutor:
         self.io = {io.PROMPT: torch.zeros(steps_per_launch, batch, dtype=torch.int32),
                    io.POSITIONS: torch.zeros(batch, dtype=torch.int32),
                    io.PAGE_TABLE: torch.zeros(batch, MAX_PAGES, dtype=torch.int32),
-                   io.TOKENS_OUT: torch.full((steps_per_launch, batch), -7, dtype=torch.int32)}
+                   io.TOKENS_OUT: torch.full((steps_per_launch, batch), -7, dtype=torch.int32),
+                   io.SAMPLING: torch.zeros(batch, io.SAMPLING_WORDS, dtype=torch.int32)}
         self.tokens = torch.full((batch,), -5, dtype=torch.int32)
         self.launches: list[int] = []
         self.tables: list[torch.Tensor] = []

@@ -8,6 +8,7 @@ import torch
 
 from mpk.backends.base import Executor
 from mpk.compiler.plan import Plan
+from mpk.models import decode_io as io
 from mpk.models.builder import DecodeShape, graph_weights
 from mpk.models.config import ModelConfig
 
@@ -29,3 +30,5 @@ def bind_model(ex: Executor, plan: Plan, cfg: ModelConfig, shape: DecodeShape,
     ex.bind("positions", torch.zeros(shape.batch, dtype=torch.int32))
     ex.bind("prompt", torch.full((shape.steps_per_launch, shape.batch), -1, dtype=torch.int32))
     ex.bind("tokens_out", torch.zeros((shape.steps_per_launch, shape.batch), dtype=torch.int32))
+    if io.SAMPLING in names:  # greedy rows
+        ex.bind(io.SAMPLING, torch.zeros((shape.batch, io.SAMPLING_WORDS), dtype=torch.int32))

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import random
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -25,8 +27,9 @@ import torch
 from mpk.backends.base import Executor
 from mpk.engine.kv_cache import PagePool
 from mpk.engine.requests import (FinishReason, InvalidRequestError, RequestHandle,
-                                 positions_needed)
+                                 SamplingParams, positions_needed)
 from mpk.models import decode_io as io
+from mpk.tasks.sampling import split_seed
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,7 @@ class _Running:
     pos: int = 0  # the position this slot processes at the next launch's step 0
     stop_ids: frozenset[int] = frozenset()
     finished: FinishReason | None = None
+    sampling_words: tuple[int, int, int, int] = (0, 0, 0, 0)
 
     @property
     def steps_left(self) -> int:
@@ -59,8 +63,11 @@ class Scheduler:
 
     def __init__(self, executor: Executor, pool: PagePool, slots: int, max_pages: int,
                  steps_per_launch: int, eos_token_ids: Iterable[int] = (),
-                 detokenize: Detokenize | None = None) -> None:
+                 detokenize: Detokenize | None = None, sampling: bool = True) -> None:
+        """`sampling`: the plan has the SAMPLING input (every model plan does; test doubles of
+        an executor may not)."""
         self.executor, self.pool = executor, pool
+        self.sampling = sampling
         self.slots, self.max_pages, self.steps_per_launch = slots, max_pages, steps_per_launch
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.detokenize = detokenize
@@ -168,18 +175,21 @@ class Scheduler:
                 pages = self.pool.allocate(positions_needed(len(handle.prompt), params.max_tokens))
                 handle.stats.admitted = time.perf_counter()
                 stop_ids = frozenset(params.stop_token_ids) | self.eos
-                self.running[b] = _Running(handle, pages, stop_ids=stop_ids)
+                self.running[b] = _Running(handle, pages, stop_ids=stop_ids,
+                                           sampling_words=sampling_words(params))
 
     def _write_inputs(self) -> None:
         steps, slots = self.steps_per_launch, self.slots
         prompt = torch.full((steps, slots), io.NO_FORCE, dtype=torch.int32)
         positions = torch.zeros(slots, dtype=torch.int32)
         table = torch.full((slots, self.max_pages), io.NO_PAGE, dtype=torch.int32)
+        sampling = torch.zeros((slots, io.SAMPLING_WORDS), dtype=torch.int32)
         for b, run in enumerate(self.running):
             if run is None:
                 prompt[:, b] = 0  # an empty slot embeds token 0 (its tokens are dropped)
                 continue
             positions[b] = run.pos
+            sampling[b] = torch.tensor(run.sampling_words, dtype=torch.int32)
             chunk = run.handle.prompt[run.pos: run.pos + steps]
             if chunk:
                 prompt[: len(chunk), b] = torch.tensor(chunk, dtype=torch.int32)
@@ -187,6 +197,8 @@ class Scheduler:
         self.executor.write(io.PROMPT, prompt)
         self.executor.write(io.POSITIONS, positions)
         self.executor.write(io.PAGE_TABLE, table)
+        if self.sampling:
+            self.executor.write(io.SAMPLING, sampling)
 
     def _collect(self, run: _Running, produced: list[int], now: float) -> None:
         handle, params = run.handle, run.handle.params
@@ -223,3 +235,13 @@ class Scheduler:
         text = self.detokenize(handle.tokens)
         cuts = [text.find(s) for s in handle.params.stop if s in text]
         return text[: min(cuts)] if cuts else text
+
+
+def sampling_words(params: SamplingParams) -> tuple[int, int, int, int]:
+    """A request's row of the SAMPLING input: temperature bits, seed low, seed high, 0."""
+    if params.greedy:
+        return (0, 0, 0, 0)
+    temperature = struct.unpack("<i", struct.pack("<f", float(params.temperature)))[0]
+    seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(63)
+    lo, hi = split_seed(seed)
+    return (temperature, lo, hi, 0)

@@ -94,6 +94,7 @@ def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = 132,
     g.add_tensor(io.PAGE_TABLE, (b, shape.max_pages), I32, Role.IO)
     g.add_tensor(io.TOKENS_OUT, (shape.steps_per_launch, b), I32, Role.IO)
     g.add_tensor(io.TOKENS, (b,), I32, Role.ACTIVATION)
+    g.add_tensor(io.SAMPLING, (b, io.SAMPLING_WORDS), I32, Role.IO)
     g.add_tensor("embed", (cfg.vocab_size, h), BF16, Role.WEIGHT)
     g.add_tensor("rope", (shape.max_seq_len, d), F32, Role.WEIGHT)
     g.add_tensor("hidden", (b, h), BF16, Role.ACTIVATION)
@@ -108,7 +109,8 @@ def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = 132,
 
 def _lm_head(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int) -> None:
     """Final norm (fused into lm_head's prologue by the compiler), lm_head with the argmax of
-    each task's slice in its epilogue, and the reduction to one token per row."""
+    each task's slice in its epilogue (or, for rows that sample, of logits / T + Gumbel noise),
+    and the reduction to one token per row."""
     b, h = shape.batch, cfg.hidden_size
     g.add_tensor("final_norm", (h,), BF16, Role.WEIGHT)
     g.add_tensor("lm_head", (cfg.vocab_size, h), BF16, Role.WEIGHT)
@@ -121,7 +123,8 @@ def _lm_head(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int) -> No
     g.add_tensor("argmax_idx", (b, tiles), I32, Role.ACTIVATION)
     g.add_op("linear", "lm_head", (tiles,), {"x": "final_hidden", "weight": "lm_head",
                                              "out": "logits", "part_val": "argmax_val",
-                                             "part_idx": "argmax_idx"}, epilogue="argmax")
+                                             "part_idx": "argmax_idx", "sampling": io.SAMPLING,
+                                             "positions": io.POSITIONS}, epilogue="argmax")
     g.add_op("argmax_reduce", "sample", (1,), {"part_val": "argmax_val", "part_idx": "argmax_idx",
                                                "tokens": io.TOKENS, "tokens_out": io.TOKENS_OUT})
 

@@ -24,7 +24,8 @@
 // numerics.rmsnorm_rows). Several chunks (large K x batch) add each chunk's sums into fp32 `acc`.
 // Epilogues: plain (round to out's dtype, + residual rounded again for bf16), silu_mul (stream rows
 // g < 4 are gate, g + 4 up, paired by a shuffle), argmax (each output's key goes into a shared
-// 64-bit atomicMax: value-ordered, ties to the lowest index, NaN first; deterministic).
+// 64-bit atomicMax: value-ordered, ties to the lowest index, NaN first; deterministic; a row
+// that samples ranks out / T + Gumbel noise, tasks/sampling.py).
 #pragma once
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -32,6 +33,7 @@
 #include "../common/bf16.cuh"
 #include "../common/memory.cuh"
 #include "../common/reduce.cuh"
+#include "../common/sampling.cuh"
 #include "../common/split.cuh"
 
 namespace mpk::kinds::linear {
@@ -48,23 +50,30 @@ constexpr int kMaxB = 16;
 
 struct Task {
   int B, K, N, T, xc, nch, align, rgs, n0, n1;
-  bool silu, rms, res, f32, argmax;
+  bool silu, rms, res, f32, argmax, sampling;
   float eps;
   const bf16* x;
   void* out;          // element n of row b at out + b*N + n (full-tensor pointer)
   const void* resid;  // same layout as out
   float* pval;        // part_val tile: row b at + b*T
   int* pidx;
+  const int* samp;    // sampling [B, 4]: temperature bits, seed low, seed high, unused
+  const int* pos;     // positions [B]
+  int step;
 };
 
 // Shared scratch: [xs: B x XS bf16][part: 2 x kWarps x 8 x 16 f32][red: kWarps x 16 f32]
-// [inv: 16 f32][best: 16 u64][nw: K bf16 when chunked with rmsnorm][acc: rgs x 8 x B f32]
+// [inv: 16 f32][best: 16 u64][sampling: 16 x (seed u64, position i64, temperature f32)]
+// [nw: K bf16 when chunked with rmsnorm][acc: rgs x 8 x B f32]
 struct Scratch {
   bf16* xs;
   float* part;
   float* red;
   float* inv;
   unsigned long long* best;
+  unsigned long long* seed;
+  long long* spos;
+  float* temp;
   bf16* nw;
   float* acc;
   int XS;
@@ -85,6 +94,12 @@ __device__ __forceinline__ Scratch carve(const Task& t, char* smem) {
   p += kMaxB * 4;
   s.best = reinterpret_cast<unsigned long long*>(p);
   p += kMaxB * 8;
+  s.seed = reinterpret_cast<unsigned long long*>(p);
+  p += kMaxB * 8;
+  s.spos = reinterpret_cast<long long*>(p);
+  p += kMaxB * 8;
+  s.temp = reinterpret_cast<float*>(p);
+  p += kMaxB * 4;
   s.nw = reinterpret_cast<bf16*>(p);
   if (t.rms && t.nch > 1) p += ((t.K * 2 + 15) / 16) * 16;
   s.acc = reinterpret_cast<float*>(p);
@@ -104,6 +119,14 @@ __device__ __forceinline__ float key_value(unsigned long long key) {
   return __uint_as_float((bits & 0x80000000u) ? (bits & 0x7fffffffu) : ~bits);
 }
 __device__ __forceinline__ int key_index(unsigned long long key) { return (int)~(uint32_t)key; }
+
+// The key of output n of batch row b: its stored value, or for a row that samples
+// (temperature > 0) value / T plus its Gumbel noise.
+__device__ __forceinline__ unsigned long long rank_key(const Scratch& s, int b, float y, int n) {
+  const float T = s.temp[b];
+  if (T > 0.f) y = __fadd_rn(__fdiv_rn(y, T), dev::gumbel(s.seed[b], s.spos[b], n));
+  return argmax_key(y, n);
+}
 
 // ---- epilogue of one output --------------------------------------------------------------------
 // Plain: write out[b][n] from the fp32 sum; returns the stored value (for argmax).
@@ -278,7 +301,7 @@ __device__ __forceinline__ void finish_own(const Task& t, const Scratch& s, int 
     if (b < t.B && n < t.n1) {
       const float y = store_plain(t, b, n, v, resid[j]);
       if (t.argmax) {
-        const unsigned long long key = argmax_key(y, n);
+        const unsigned long long key = rank_key(s, b, y, n);
         if (key > best[j]) best[j] = key;
       }
     }
@@ -354,7 +377,7 @@ __device__ __forceinline__ void finish_shared(const Task& t, const Scratch& s, i
     const int n = out_col(t, rg, r);
     if (n >= t.n1) continue;
     const float y = store_plain(t, b, n, v, resid[i]);
-    if (t.argmax) atomicMax(s.best + b, argmax_key(y, n));
+    if (t.argmax) atomicMax(s.best + b, rank_key(s, b, y, n));
   }
 }
 
@@ -372,6 +395,10 @@ __device__ __forceinline__ Task task_of(const mpk::TaskArgs& a) {
   t.res = a.i(P_HAS_RESIDUAL) != 0;
   t.f32 = a.i(P_OUT_F32) != 0;
   t.argmax = a.i(P_ARGMAX) != 0;
+  t.sampling = a.i(P_SAMPLING) != 0 && a.has(O_SAMPLING) && a.has(O_POSITIONS);
+  t.samp = a.operand<const int>(O_SAMPLING);
+  t.pos = a.operand<const int>(O_POSITIONS);
+  t.step = a.step;
   t.eps = a.f(P_EPS);
   t.align = t.silu ? kRows / 2 : kRows;
   dev::split_bounds(t.N, t.T, t.align, a.point(0), t.n0, t.n1);
@@ -442,7 +469,16 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   }
   const Scratch s = carve(t, a.smem);
   const int tid = threadIdx.x, warp = tid >> 5;
-  if (tid < kMaxB) s.best[tid] = 0ull;
+  if (tid < kMaxB) {
+    s.best[tid] = 0ull;
+    s.temp[tid] = 0.f;  // greedy unless the row's sampling words say otherwise
+    if (t.sampling && tid < t.B) {  // host-written IO: L2-coherent loads
+      s.temp[tid] = __int_as_float(dev::ld_act_i32(t.samp + tid * 4));
+      s.seed[tid] = (unsigned long long)(unsigned)dev::ld_act_i32(t.samp + tid * 4 + 1) |
+                    ((unsigned long long)(unsigned)dev::ld_act_i32(t.samp + tid * 4 + 2) << 32);
+      s.spos[tid] = (long long)dev::ld_act_i32(t.pos + tid) + t.step;
+    }
+  }
   const bf16* nw = nullptr;
   if (t.rms) {  // page 0: the norm weight
     nw = static_cast<const bf16*>(__cvta_shared_to_generic(pc.at(0)));

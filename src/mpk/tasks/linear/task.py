@@ -11,17 +11,24 @@ Epilogues:
   none:     the product is rounded to out's dtype, then `residual` (optional) is added
   silu_mul: bf16(bf16(silu(bf16(x@gate))) * bf16(x@up)), as the unfused gate_up + silu_mul ops
   argmax:   also writes each task's best output and its global index to part_val / part_idx
-            [B, T] (ties: lowest index; NaN wins), for argmax_reduce
+            [B, T] (ties: lowest index; NaN wins), for argmax_reduce. With `sampling` [B, 4] i32
+            (per row: temperature as float bits, seed low, seed high, unused) and `positions`
+            [B] i32, a row with temperature T > 0 ranks out / T + Gumbel noise instead
+            (tasks/sampling.py: the token argmax_reduce picks is then a sample of
+            softmax(logits / T) at position positions[b] + step)
 On the GPU the weights come as a stream of shared-memory pages in the order of geometry.py.
 """
 
 from __future__ import annotations
+
+import struct
 
 import torch
 
 from mpk.dtypes import DType
 from mpk.tasks.base import (PAGE_BYTES, Access, OpView, OperandSpec, Param, StreamLayout,
                             TaskCost, TaskKind, Tile, split_bounds)
+from mpk.tasks import sampling
 from mpk.tasks.linear import geometry as geo
 from mpk.tasks.numerics import bf16, rmsnorm_rows, silu_mul
 from mpk.tasks.registry import register
@@ -53,11 +60,13 @@ class Linear(TaskKind):
         OperandSpec("out", Access.WRITE),
         OperandSpec("part_val", Access.WRITE, optional=True),
         OperandSpec("part_idx", Access.WRITE, optional=True),
+        OperandSpec("sampling", Access.READ, optional=True),
+        OperandSpec("positions", Access.READ, optional=True),
     )
     params = (
         Param("batch"), Param("k"), Param("n"), Param("tasks"), Param("silu"), Param("rms"),
         Param("xc"), Param("has_residual"), Param("out_f32"), Param("argmax"),
-        Param("eps", is_float=True),
+        Param("eps", is_float=True), Param("sampling"),
     )
     attrs = {"prologue": "none", "epilogue": "none", "eps": 1e-6}
 
@@ -65,7 +74,7 @@ class Linear(TaskKind):
         row_dim = len(tensors["weight"].shape) - 2
         return {"weight": (row_dim, None, None), "out": (1, None, None),
                 "residual": (1, None, None), "part_val": (1, None, None),
-                "part_idx": (1, None, None)}
+                "part_idx": (1, None, None)}  # sampling and positions: whole, every task
 
     def split_align(self, op: OpView, operand: str) -> int | None:
         if operand in ("weight", "out", "residual"):
@@ -125,6 +134,15 @@ class Linear(TaskKind):
             op.expect_shape("part_idx", (batch, op.grid[0]))
             op.expect_dtype("part_val", DType.F32)
             op.expect_dtype("part_idx", DType.I32)
+        if op.has("sampling") != op.has("positions") or (op.has("sampling") and not argmax):
+            raise op.error("sampling and positions are given together, with epilogue='argmax'")
+        if op.has("sampling"):
+            op.expect_shape("sampling", (batch, 4))
+            op.expect_shape("positions", (batch,))
+            op.expect_dtype("sampling", DType.I32)
+            op.expect_dtype("positions", DType.I32)
+            op.expect_unsplit("sampling", 0, 1)
+            op.expect_unsplit("positions", 0)
 
     def _check_splits(self, op: OpView) -> None:
         if op.grid[1] != 1 or op.grid[2] != 1:
@@ -158,6 +176,7 @@ class Linear(TaskKind):
             "has_residual": int(op.has("residual")),
             "out_f32": int(op.tensors["out"].dtype is DType.F32),
             "argmax": int(op.attrs["epilogue"] == "argmax"), "eps": op.attrs["eps"],
+            "sampling": int(op.has("sampling")),
         }
 
     def stream_layout(self, op: OpView) -> StreamLayout:
@@ -198,9 +217,9 @@ class Linear(TaskKind):
             y = y + tile["residual"].float()
         out.copy_(y)
         if tile.attr("epilogue") == "argmax":
-            val, idx = out.float().max(dim=1)
             first = split_bounds(tile.op.shape("out")[1], tile.op.grid[0],
                                  self.split_align(tile.op, "out"), tile.point[0])[0]
+            val, idx = _ranked(tile, out.float(), first).max(dim=1)
             tile["part_val"][:, 0].copy_(val)
             tile["part_idx"][:, 0].copy_(idx.int() + first)
 
@@ -211,6 +230,22 @@ class Linear(TaskKind):
         out_bytes = batch * rows * op.tensors["out"].dtype.itemsize
         return TaskCost(weight_bytes=2 * rows * s.k, act_bytes=2 * batch * s.k + 2 * out_bytes,
                         flops=2 * batch * rows * s.k)
+
+
+def _ranked(tile: Tile, values: torch.Tensor, first: int) -> torch.Tensor:
+    """What the argmax ranks per row: the values, or for a sampling row (temperature > 0) the
+    values / T plus its Gumbel noise (tasks/sampling.py)."""
+    if not tile.has("sampling"):
+        return values
+    ranked = values.clone()
+    for b in range(values.shape[0]):
+        words = tile["sampling"][b].tolist()
+        temperature = struct.unpack("<f", struct.pack("<i", words[0]))[0]
+        if temperature > 0:
+            seed = (words[1] & 0xFFFFFFFF) | ((words[2] & 0xFFFFFFFF) << 32)
+            position = int(tile["positions"][b]) + tile.step
+            ranked[b] = sampling.perturbed(values[b], temperature, seed, position, first)
+    return ranked
 
 
 def linear_input(tile: Tile) -> torch.Tensor:
