@@ -19,19 +19,20 @@ from typing import Any
 
 import torch
 
-from mpk.backends.base import Executor, create_executor
+from mpk.backends.base import Executor
+from mpk.backends.registry import create_executor
 from mpk.compiler.lower import compile_graph
 from mpk.compiler.plan import Plan
 from mpk.dtypes import DType
 from mpk.errors import GraphError
-from mpk.graph.graph import Graph, Op
+from mpk.graph.graph import DEFAULT_NUM_SMS, Graph, Op
 from mpk.tasks.base import Split
 from mpk.tasks.registry import all_kinds
 from mpk.tensors import Role, TensorSpec
 
 
 class PersistentKernel:
-    def __init__(self, num_sms: int = 132) -> None:
+    def __init__(self, num_sms: int = DEFAULT_NUM_SMS) -> None:
         self.num_sms = num_sms
         self.graph = Graph()
         self._attached: dict[str, torch.Tensor] = {}

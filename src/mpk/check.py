@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mpk.backends.base import Executor, create_executor
+from mpk.backends.base import Executor
+from mpk.backends.registry import CPU_NUM_SMS, create_executor, get_backend
 from mpk.compiler.lower import compile_graph
 from mpk.compiler.plan import Plan
 from mpk.dtypes import DType
@@ -95,7 +96,8 @@ def run_check(cfg: ModelConfig, layers: range, backend: str | ExecutorFactory, s
                else random_weights(slice_config(cfg, layers), seed=seed))
     cfg = slice_config(cfg, layers)
     make = _factory(backend, seed)
-    num_sms = num_sms or (132 if backend == "cuda" else 8)
+    if num_sms is None:
+        num_sms = get_backend(backend).num_sms() if isinstance(backend, str) else CPU_NUM_SMS
     shape = DecodeShape(batch=1, steps_per_launch=steps, page_size=16, max_pages=4, num_pages=8)
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (steps, shape.batch), generator=gen,

@@ -17,6 +17,10 @@ from typing import Any, NoReturn
 
 from mpk.errors import MpkError
 
+# mpk.graph.graph.DEFAULT_NUM_SMS, spelled here so `mpk --help` does not import torch;
+# tests/backends/test_registry.py checks that the two agree.
+PLAN_NUM_SMS = 132
+
 DEFAULT_PROMPT_IDS = (1, 2, 3, 4)
 DEFAULT_PROMPT_TEXT = "The capital of France is"
 EXIT_USAGE = 2
@@ -159,8 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
         "  mpk plan --model qwen3-8b --num-sms 132 --batch 4\n"
         "  mpk plan --model llama-3.2-1b --json"), _cmd_plan)
     _add_model_args(p)
-    p.add_argument("--num-sms", type=_positive, default=132, metavar="N",
-                   help="SMs to schedule on (default: 132)")
+    p.add_argument("--num-sms", type=_positive, default=PLAN_NUM_SMS, metavar="N",
+                   help=f"SMs to schedule on (default: {PLAN_NUM_SMS}, an H100 / H200)")
     p.add_argument("--batch", type=_positive, default=1, metavar="B",
                    help="batch size (default: 1)")
     p.add_argument("--steps-per-launch", type=_positive, default=16, metavar="N",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mpk.backends.base import create_executor
+from mpk.backends.registry import create_executor
 from mpk.compiler.lower import compile_graph
 from mpk.dtypes import DType
 from mpk.graph.graph import Graph

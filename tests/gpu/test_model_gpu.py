@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpk.backends.base import create_executor
+from mpk.backends.registry import create_executor
 from mpk.check import REFERENCE_TOL, run_check
 from mpk.engine.bind import bind_model
 from mpk.models.builder import DecodeShape

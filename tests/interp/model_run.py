@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mpk.backends.base import create_executor
+from mpk.backends.registry import create_executor
 from mpk.compiler.lower import compile_graph
 from mpk.compiler.plan import Plan
 from mpk.engine.kv_cache import PagePool

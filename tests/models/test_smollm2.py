@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 #: Interpreter plans compiled for 2 SMs: ~10x faster on the CPU than 132 (fewer, larger tiles),
 #: with the same tokens (logits were bitwise equal at 1, 4 and 132 SMs when measured; the README
-#: command test runs 132), and still tasks on two SMs waiting on each other.
+#: command test runs the interpreter's default, 4), and still tasks on two SMs waiting on each other.
 NUM_SMS = 2
 LAYERS = 30
 #: A greedy divergence from transformers is accepted only where transformers' own top logit

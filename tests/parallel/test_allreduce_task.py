@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpk.backends.base import create_executor
+from mpk.backends.registry import create_executor
 from mpk.backends.cuda import codegen
 from mpk.compiler.lower import compile_graph
 from mpk.dtypes import DType

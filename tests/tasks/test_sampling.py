@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpk.backends.base import create_executor
+from mpk.backends.registry import create_executor
 from mpk.compiler.lower import compile_graph
 from mpk.dtypes import DType
 from mpk.graph.graph import Graph

@@ -30,18 +30,3 @@ class Executor(Protocol):
 
     def run(self, num_steps: int = 1) -> None:
         """Execute `num_steps` decode steps in one launch."""
-
-
-def create_executor(plan: Plan, backend: str, **options: object) -> Executor:
-    """The executor of `backend` ('cpu' or 'cuda') for `plan`."""
-    if backend == "cpu":
-        from mpk.backends.cpu.interpreter import CpuExecutor
-
-        return CpuExecutor(plan, **options)  # type: ignore[arg-type]
-    if backend == "cuda":
-        from mpk.backends.cuda.executor import CudaExecutor
-
-        return CudaExecutor(plan, **options)  # type: ignore[arg-type]
-    from mpk.errors import UnsupportedError
-
-    raise UnsupportedError(f"unknown backend {backend!r}: use 'cpu' or 'cuda'")

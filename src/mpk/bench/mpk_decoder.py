@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from mpk.backends.base import create_executor
+from mpk.backends.registry import create_executor, get_backend
 from mpk.compiler.cache import compile_cached
 from mpk.engine.bind import bind_model
 from mpk.models.builder import DecodeShape, build_graph
@@ -27,8 +27,7 @@ class MpkDecoder:
                  tp: TensorParallel | None = None, backend: str = "cuda") -> None:
         batch, self.prompt_len = prompt.shape
         if num_sms is None:
-            num_sms = 8 if backend == "cpu" else torch.cuda.get_device_properties(
-                torch.cuda.current_device()).multi_processor_count
+            num_sms = get_backend(backend).num_sms()
         pages = -(-(self.prompt_len + new_tokens + 1) // page_size)
         self.shape = DecodeShape(batch=batch, steps_per_launch=max(self.prompt_len, new_tokens),
                                  page_size=page_size, max_pages=pages, num_pages=batch * pages)

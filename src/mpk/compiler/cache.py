@@ -24,7 +24,7 @@ from pathlib import Path
 from mpk import env
 from mpk.compiler.lower import compile_graph
 from mpk.compiler.plan import Plan
-from mpk.graph.graph import Graph
+from mpk.graph.graph import DEFAULT_NUM_SMS, Graph
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def graph_key(graph: Graph, num_sms: int, fuse_ops: bool = True) -> str:
     return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def compile_cached(graph: Graph, num_sms: int = 132, *, fuse_ops: bool = True,
+def compile_cached(graph: Graph, num_sms: int = DEFAULT_NUM_SMS, *, fuse_ops: bool = True,
                    cache_root: Path | None = None) -> Plan:
     """compile_graph, or the stored plan of an identical earlier compile."""
     t0 = time.perf_counter()

@@ -17,7 +17,7 @@ from mpk.compiler.schedule import CostModel, Schedule, schedule_tasks
 from mpk.compiler.simulate import check_deadlock_free
 from mpk.compiler.tiling import TiledOp, tile_graph
 from mpk.errors import CompileError
-from mpk.graph.graph import Graph
+from mpk.graph.graph import DEFAULT_NUM_SMS, Graph
 from mpk.tasks.base import PAGE_BYTES, StreamLayout
 from mpk.tensors import Role
 
@@ -25,7 +25,7 @@ ARENA_ALIGN = 256
 SCRATCH_ROUND = 16 * 1024  # Plan.scratch_bytes granularity (one CUDA build per size)
 
 
-def compile_graph(graph: Graph, num_sms: int = 132, *, fuse_ops: bool = True,
+def compile_graph(graph: Graph, num_sms: int = DEFAULT_NUM_SMS, *, fuse_ops: bool = True,
                   cost_model: CostModel = CostModel()) -> Plan:
     t0 = time.perf_counter()
     if num_sms <= 0:

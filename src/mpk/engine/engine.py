@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from mpk.backends.base import Executor, create_executor
+from mpk.backends.base import Executor
+from mpk.backends.registry import create_executor, get_backend
 from mpk.compiler.cache import compile_cached
 from mpk.compiler.plan import Plan
 from mpk.dtypes import DType
@@ -27,19 +28,14 @@ from mpk.engine.requests import (GenerationResult, InvalidRequestError, RequestH
                                  SamplingParams, positions_needed, validate_prompt)
 from mpk.engine.scheduler import Detokenize, LaunchStats, Scheduler
 from mpk.engine.serving import ServingLoop
-from mpk.errors import MpkError, UnsupportedError
+from mpk.errors import MpkError
+from mpk.graph.graph import DEFAULT_NUM_SMS
 from mpk.models.builder import DecodeShape, build_graph, graph_weights
 from mpk.models.config import ModelConfig
 from mpk.parallel.tp import TensorParallel
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("cpu", "cuda")
-DEFAULT_NUM_SMS = 132  # H100 / H200
-# The CPU interpreter's default: every output row is computed inside one task whatever the
-# partition, so fewer, larger tasks give the same tokens (measured on SmolLM2-135M: logits
-# bitwise equal at 1, 4 and 132 SMs) about 7x faster than 132 SMs' worth of tiles.
-CPU_NUM_SMS = 4
 DEFAULT_MAX_SEQ_LEN = 2048
 
 
@@ -54,8 +50,7 @@ class EngineConfig:
     steps_per_launch: int = 16
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise UnsupportedError(f"unknown backend {self.backend!r}: use one of {BACKENDS}")
+        get_backend(self.backend)
         for name in ("num_sms", "page_size", "max_seq_len", "steps_per_launch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -107,13 +102,9 @@ class Engine:
         if max_seq_len is None:
             max_seq_len = min(DEFAULT_MAX_SEQ_LEN, cfg.max_position)
         self.cfg = cfg
-        if num_sms is None and backend == "cuda" and torch.cuda.is_available():
-            # One persistent CTA per SM: a plan for more SMs than the GPU has cannot launch.
-            num_sms = torch.cuda.get_device_properties(
-                torch.device(device or "cuda")).multi_processor_count
-        elif num_sms is None and backend == "cpu":
-            num_sms = CPU_NUM_SMS
-        self.options = EngineConfig(backend=backend, num_sms=num_sms or DEFAULT_NUM_SMS,
+        if num_sms is None:
+            num_sms = get_backend(backend).num_sms(device)
+        self.options = EngineConfig(backend=backend, num_sms=num_sms,
                                     page_size=page_size, max_seq_len=max_seq_len,
                                     steps_per_launch=steps_per_launch)
         if max_seq_len > cfg.max_position:
@@ -246,8 +237,7 @@ class Engine:
 
             executor: Executor = rank_executor(plan)
         else:
-            device_opt = {"device": self.device} if opts.backend == "cuda" else {}
-            executor = create_executor(plan, opts.backend, **device_opt)
+            executor = create_executor(plan, opts.backend, device=self.device)
         kv_heads = self.cfg.num_kv_heads // (self.tp.size if self.tp else 1)
         cache = KvCache(KvShape(self.cfg.num_layers, shape.num_pages, opts.page_size,
                                 kv_heads, self.cfg.head_dim), device=self.device)
@@ -270,18 +260,7 @@ class Engine:
 
 def check_backend(backend: str, device: str | torch.device | None = None) -> torch.device:
     """The device `backend` runs on (default: its natural one), or a clear error."""
-    if backend not in BACKENDS:
-        raise UnsupportedError(f"unknown backend {backend!r}: use one of {BACKENDS}")
-    device = torch.device(device or ("cuda" if backend == "cuda" else "cpu"))
-    if backend == "cuda":
-        if not torch.cuda.is_available():
-            raise UnsupportedError("backend 'cuda' needs a CUDA GPU, but torch sees none "
-                                   "(torch.cuda.is_available() is False); use backend 'cpu'")
-        if device.type != "cuda":
-            raise MpkError(f"backend 'cuda' runs on a CUDA device, not {device}")
-    elif device.type != "cpu":
-        raise MpkError(f"backend 'cpu' runs on the CPU, not {device}")
-    return device
+    return get_backend(backend).device(device)
 
 
 def _graph_weights(cfg: ModelConfig, hf_weights: Mapping[str, torch.Tensor], max_seq_len: int,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mpk.backends.registry import get_backend
 from mpk.engine.requests import GenerationResult
 from mpk.engine.engine import Engine
 from mpk.models.config import ModelConfig
@@ -52,16 +53,22 @@ class GenerateJob:
 
 
 def run_job(job: GenerateJob, tp_size: int = 1) -> GenerationResult:
-    """Run `job` on tp_size tensor-parallel ranks (processes); rank 0's result."""
-    if tp_size > 1:
-        TensorParallel(0, tp_size).check(job.source.cfg)  # before starting any process
+    """Run `job` in this process (tp_size 1) or on tp_size tensor-parallel ranks (processes,
+    through the parallel launcher); rank 0's result."""
+    if tp_size == 1:
+        return _run_engine(job, None, job.progress)
+    TensorParallel(0, tp_size).check(job.source.cfg)  # before starting any process
     return run_ranks(tp_size, _run_rank, job, backend=job.backend)
 
 
 def _run_rank(tp: TensorParallel, job: GenerateJob) -> GenerationResult:
-    device = "cuda" if job.backend == "cuda" else "cpu"
-    weights = job.source.load(device)
+    return _run_engine(job, tp, job.progress if tp.rank == 0 else False)
+
+
+def _run_engine(job: GenerateJob, tp: TensorParallel | None,
+                progress: bool | None) -> GenerationResult:
+    weights = job.source.load(get_backend(job.backend).device_type)
     engine = Engine(job.source.cfg, weights, backend=job.backend, num_sms=job.num_sms,
                     max_seq_len=job.max_seq_len, steps_per_launch=job.steps_per_launch,
-                    progress=job.progress if tp.rank == 0 else False, tp=tp)
+                    progress=progress, tp=tp)
     return engine.generate(job.prompts, job.max_new_tokens, eos_token_ids=job.eos_token_ids)

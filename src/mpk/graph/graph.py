@@ -14,6 +14,10 @@ from mpk.tensors import Role, TensorSpec, check_name
 from mpk.tasks.base import OpView, Split, boxes_overlap, grid_points
 from mpk.tasks.registry import get_kind
 
+# The SM count plans target when no GPU says otherwise (H100 SXM / H200). Backends that know
+# their device ask it instead (mpk.backends.registry).
+DEFAULT_NUM_SMS = 132
+
 
 @dataclass(frozen=True)
 class Op:

@@ -24,7 +24,7 @@ import torch
 
 from mpk.dtypes import DType
 from mpk.errors import UnsupportedError
-from mpk.graph.graph import Graph
+from mpk.graph.graph import DEFAULT_NUM_SMS, Graph
 from mpk.models import decode_io as io
 from mpk.models.config import ModelConfig
 from mpk.models.rope import rope_table
@@ -82,7 +82,7 @@ def spread(outputs: int, num_sms: int, align: int = 8) -> int:
     return max(1, min(num_sms, -(-outputs // align)))
 
 
-def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = 132,
+def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = DEFAULT_NUM_SMS,
                 layers: range | None = None, tp: TensorParallel | None = None) -> Graph:
     layers = range(cfg.num_layers) if layers is None else layers
     if tp is not None:

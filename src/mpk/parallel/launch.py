@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from mpk import env
+from mpk.backends.registry import get_backend
 from mpk.errors import MpkError
 from mpk.parallel.tp import TensorParallel
 
@@ -48,14 +49,15 @@ def run_ranks(size: int, fn: Callable[..., T], *args: Any, backend: str = "cpu")
     tp = TensorParallel(0, size)  # validates size
     if size == 1:
         return fn(tp, *args)
-    if backend == "cuda" and torch.cuda.device_count() < size:
+    on_gpus = get_backend(backend).device_type == "cuda"
+    if on_gpus and torch.cuda.device_count() < size:
         raise MpkError(f"tensor parallel size {size} needs {size} GPUs, but torch sees "
                        f"{torch.cuda.device_count()}")
     env.disable_multicast()
     ctx = mp.get_context("spawn")
     port = _free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(size)]  # (parent's end, rank's end)
-    procs = [ctx.Process(target=_rank_main, args=(rank, size, port, backend, fn, args, send),
+    procs = [ctx.Process(target=_rank_main, args=(rank, size, port, on_gpus, fn, args, send),
                          daemon=True) for rank, (_, send) in enumerate(pipes)]
     for p in procs:
         p.start()
@@ -103,7 +105,7 @@ def _collect(procs: list[Any], pipes: list[Connection]) -> Any:
     return value
 
 
-def _rank_main(rank: int, size: int, port: int, backend: str, fn: Callable[..., Any],
+def _rank_main(rank: int, size: int, port: int, on_gpus: bool, fn: Callable[..., Any],
                args: tuple[Any, ...], report: Connection) -> None:
     """Body of one rank's process. The result (or the failure) is reported before the group
     is torn down, so a rank stuck on a dead peer cannot hide the cause."""
@@ -111,9 +113,9 @@ def _rank_main(rank: int, size: int, port: int, backend: str, fn: Callable[..., 
     # parent then warns of a leaked semaphore at exit); one rank's bars need only a thread lock.
     tqdm.set_lock(threading.RLock())
     try:
-        if backend == "cuda":
+        if on_gpus:
             torch.cuda.set_device(rank)
-        dist.init_process_group("nccl" if backend == "cuda" else "gloo",
+        dist.init_process_group("nccl" if on_gpus else "gloo",
                                 init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=size, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
         value = fn(TensorParallel(rank, size), *args)

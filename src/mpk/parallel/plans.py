@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from mpk.compiler.lower import compile_graph
 from mpk.compiler.plan import Plan
+from mpk.graph.graph import DEFAULT_NUM_SMS
 from mpk.models.builder import DecodeShape, build_graph
 from mpk.models.config import ModelConfig
 from mpk.parallel.tp import TensorParallel
 
 
-def rank_plans(cfg: ModelConfig, shape: DecodeShape, size: int, num_sms: int = 132,
+def rank_plans(cfg: ModelConfig, shape: DecodeShape, size: int, num_sms: int = DEFAULT_NUM_SMS,
                fuse_ops: bool = True) -> list[Plan]:
     """The Plan of every rank, in rank order. The ranks' graphs have the same ops and shapes
     (only the weights bound to them differ), so the plans are identical today; they are kept
