@@ -214,6 +214,18 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: mpk-profile/MODEL)")
     pr.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     pr.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+
+    from mpk.server.options import add_serve_arguments
+
+    sv = command("serve", "Serve a model over HTTP with OpenAI's API (completions, chat, "
+                          "streaming), Prometheus metrics at /metrics.", (
+        "  mpk serve --model smollm2-135m --backend cpu\n"
+        "  mpk serve --backend cuda --model qwen3-8b --max-batch 16 --port 8000\n"
+        "  mpk serve --checkpoint ~/models/Qwen3-0.6B --api-key SECRET --host 0.0.0.0"),
+        _cmd_serve)
+    _add_model_args(sv)
+    _add_backend_arg(sv)
+    add_serve_arguments(sv)
     return parser
 
 
@@ -451,6 +463,18 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from mpk.cli_gpu import profile
 
     return profile(args)
+
+
+# ---- mpk serve (mpk.server) -------------------------------------------------------------------
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from mpk.server.run import serve
+    except ImportError as e:  # a --no-deps install, or one without the server extra
+        raise MpkError(f"mpk serve needs the server extra ({e.name} is missing): "
+                       f"pip install 'mpk[server]'") from None
+    from mpk.server.options import options_from_args
+
+    return serve(options_from_args(args, _backend(args)), args.verbose)
 
 
 if __name__ == "__main__":
