@@ -109,11 +109,12 @@ class ServerProcess:
             time.sleep(0.05)
 
     # ---- the log and the process ----------------------------------------------------------------
-    def wait_for_log(self, text: str, timeout: float = 60.0) -> str:
+    def wait_for_log(self, text: str, timeout: float = 60.0, after: int = 0) -> str:
+        """The first log line from line `after` on that contains `text` (waits for it)."""
         deadline = time.monotonic() + timeout
         with self._log_lock:
             while True:
-                hit = next((line for line in self.log if text in line), None)
+                hit = next((line for line in self.log[after:] if text in line), None)
                 if hit is not None:
                     return hit
                 left = deadline - time.monotonic()

@@ -64,7 +64,7 @@ def test_32_concurrent_streams(server: ServerProcess, oracle: Oracle) -> None:
 
 
 def test_disconnect_mid_stream_frees_slot_and_pages(server: ServerProcess) -> None:
-    before = server.metrics()
+    before, mark = server.metrics(), len(server.log)
     max_tokens = MAX_SEQ_LEN - 20  # seconds of work: it must be cut short, not finish
     stream = server.client().completions.create(model=MODEL, prompt="Disconnect me",
                                                 max_tokens=max_tokens, stream=True)
@@ -79,11 +79,13 @@ def test_disconnect_mid_stream_frees_slot_and_pages(server: ServerProcess) -> No
         and m["mpk_requests_running"] == 0 and m["mpk_kv_pages_used"] == 0)
     generated = after["mpk_generation_tokens_total"] - before["mpk_generation_tokens_total"]
     assert 3 <= generated < max_tokens
+    line = server.wait_for_log("finish=cancelled(client-disconnected)", after=mark)
+    assert "POST /v1/completions 200" in line  # the stream had started
 
 
 def test_disconnect_while_waiting_for_a_whole_completion(server: ServerProcess) -> None:
     """A non-streamed request whose client gives up (timeout) is cancelled too."""
-    before = server.metrics()
+    before, mark = server.metrics(), len(server.log)
     client = server.client(timeout=1.0)
     try:
         client.completions.create(model=MODEL, prompt="Wait for me", max_tokens=MAX_SEQ_LEN - 20)
@@ -93,3 +95,5 @@ def test_disconnect_while_waiting_for_a_whole_completion(server: ServerProcess) 
     server.wait_for_metrics(
         lambda m: m.get(CANCELLED, 0) == before.get(CANCELLED, 0) + 1
         and m["mpk_requests_running"] == 0 and m["mpk_kv_pages_used"] == 0)
+    line = server.wait_for_log("finish=cancelled(client-disconnected)", after=mark)
+    assert "POST /v1/completions 499" in line

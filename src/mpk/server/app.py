@@ -26,6 +26,7 @@ from mpk.server.state import ServerState
 
 log = logging.getLogger("mpk.server")
 
+QUIET_PATHS = ("/health", "/metrics")
 MAX_BODY_BYTES = 16 * 2**20  # a request body beyond this is refused (413) before it is read
 _CURRENT: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "mpk_request", default=None)
@@ -110,7 +111,10 @@ class RequestContext:
         finally:
             ms = (time.perf_counter() - started) * 1e3
             extra = "".join(f" {k}={v}" for k, v in info.items() if k != "request_id")
-            log.info("%s %s %d %.1f ms%s", scope["method"], path, response["status"], ms, extra)
+            # Probes and scrapes come every few seconds: their successes only with -vv.
+            quiet = path in QUIET_PATHS and response["status"] < 400
+            log.log(logging.DEBUG if quiet else logging.INFO, "%s %s %d %.1f ms%s",
+                    scope["method"], path, response["status"], ms, extra)
             _CURRENT.reset(token)
 
     def _refusal(self, scope: dict[str, Any]) -> ApiError | None:

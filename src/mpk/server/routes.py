@@ -26,6 +26,7 @@ from mpk.server.tokens import TokenStream, cancel_on_disconnect
 
 log = logging.getLogger(__name__)
 
+CLIENT_GONE = "cancelled(client-disconnected)"  # in the request's log line
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop")
 
 
@@ -170,12 +171,15 @@ async def _generate(state: ServerState, request: Request, kind: _Kind, body: _Sa
     response_id = kind.id_prefix + info["request_id"]
     if body.stream:
         events = _events(state, kind, body, tokens, ids, response_id, info)
-        return _EngineStream(events, handle, media_type="text/event-stream",
+        return _EngineStream(events, handle, info, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    async with cancel_on_disconnect(request.receive, handle):
+    async with cancel_on_disconnect(request.receive, handle) as disconnect:
         async for _ in tokens:
             pass
     result = handle.result()
+    if disconnect.happened:  # nobody reads the answer; 499 (nginx's) tells the log why
+        info.update(completion_tokens=len(result.token_ids), finish=CLIENT_GONE)
+        return Response(status_code=499)
     _raise_if_failed(state, result)
     text = _final_text(state, result)
     info.update(completion_tokens=len(result.token_ids), finish=result.finish_reason.value)
@@ -266,9 +270,11 @@ class _EngineStream(StreamingResponse):
     """A streamed generation whose engine request is cancelled however the response ends (a
     client disconnect cancels the send task), so its slot and pages never outlive the client."""
 
-    def __init__(self, content: AsyncIterator[str], handle: RequestHandle, **kwargs: Any) -> None:
+    def __init__(self, content: AsyncIterator[str], handle: RequestHandle, info: dict[str, Any],
+                 **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self.handle = handle
+        self.info = info
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -276,3 +282,4 @@ class _EngineStream(StreamingResponse):
         finally:
             if not self.handle.done:
                 self.handle.cancel()
+                self.info["finish"] = CLIENT_GONE

@@ -111,7 +111,8 @@ class _DrainingServer(uvicorn.Server):
         except asyncio.TimeoutError:
             log.warning("responses still unsent after %d s; shutting down anyway",
                         DRAIN_SEND_TIMEOUT_S)
-        log.info("drained; shutting down")
+        if not self.forced:
+            log.info("drained; shutting down")
         self.should_exit = True
 
     def _force(self) -> None:

@@ -67,21 +67,30 @@ class TokenStream:
             yield item  # type: ignore[misc]
 
 
+class Disconnect:
+    """Whether the client went away (set by cancel_on_disconnect)."""
+
+    happened = False
+
+
 @contextlib.asynccontextmanager
-async def cancel_on_disconnect(receive: Receive, handle: RequestHandle) -> AsyncIterator[None]:
+async def cancel_on_disconnect(receive: Receive,
+                               handle: RequestHandle) -> AsyncIterator[Disconnect]:
     """While the body runs, a client disconnect cancels `handle` (its slot and KV pages are
     freed at the engine's next launch boundary), and so does leaving the body early."""
+    disconnect = Disconnect()
 
     async def watch() -> None:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
+                disconnect.happened = True
                 handle.cancel()
                 return
 
     watcher = asyncio.create_task(watch())
     try:
-        yield
+        yield disconnect
     finally:
         watcher.cancel()
         if not handle.done:
