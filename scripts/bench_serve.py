@@ -69,7 +69,7 @@ def make_trace(n: int, rate: float, prompt_len: tuple[int, int], output_len: tup
     rng = random.Random(seed)
 
     def log_uniform(lo: int, hi: int) -> int:
-        return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+        return round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
 
     trace, t = [], 0.0
     for _ in range(n):

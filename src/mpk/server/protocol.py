@@ -30,7 +30,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Sampling(_Strict):
+class SamplingFields(_Strict):
     """Parameters shared by both endpoints; top_k and ignore_eos are extensions (vLLM's)."""
 
     model: str
@@ -83,7 +83,7 @@ class _Sampling(_Strict):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     # A text, a list of token ids, or a one-element list of either (OpenAI's batch form).
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = None
@@ -128,7 +128,7 @@ class ChatMessage(_Strict):
         return {"role": self.role, "content": content or ""}
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # the newer name of max_tokens
     logprobs: bool | None = None

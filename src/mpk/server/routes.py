@@ -19,7 +19,7 @@ from mpk.engine.serving import EngineStoppedError
 from mpk.errors import MpkError
 from mpk.server.errors import ApiError, error_payload
 from mpk.server.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest,
-                                 CompletionRequest, _Sampling)
+                                 CompletionRequest, SamplingFields)
 from mpk.server.state import ServerState
 from mpk.server.text import IncrementalText
 from mpk.server.tokens import TokenStream, cancel_on_disconnect
@@ -121,7 +121,7 @@ def _check_length(state: ServerState, prompt_len: int, max_tokens: int, prompt_p
                        code="invalid_value")
 
 
-def _params(state: ServerState, body: _Sampling, max_tokens: int) -> SamplingParams:
+def _params(state: ServerState, body: SamplingFields, max_tokens: int) -> SamplingParams:
     try:
         return body.sampling_params(max_tokens, state.eos_token_ids)
     except InvalidRequestError as e:
@@ -160,7 +160,7 @@ def _shutting_down() -> ApiError:
 
 
 # ---- generation ------------------------------------------------------------------------------
-async def _generate(state: ServerState, request: Request, kind: _Kind, body: _Sampling,
+async def _generate(state: ServerState, request: Request, kind: _Kind, body: SamplingFields,
                     ids: list[int], max_tokens: int) -> Response:
     params = _params(state, body, max_tokens)
     handle = _submit(state, ids, params)
@@ -218,7 +218,7 @@ def _usage(prompt_tokens: int, result: RequestResult) -> dict[str, int]:
             "total_tokens": prompt_tokens + n}
 
 
-async def _events(state: ServerState, kind: _Kind, body: _Sampling, tokens: TokenStream,
+async def _events(state: ServerState, kind: _Kind, body: SamplingFields, tokens: TokenStream,
                   ids: list[int], response_id: str, info: dict[str, Any]) -> AsyncIterator[str]:
     """The SSE stream: a chunk per piece of text that can no longer change, the finish chunk,
     the usage chunk when asked for, [DONE]. An engine failure becomes an error event."""
