@@ -38,12 +38,16 @@ import torch
 from mpk.backends.cpu.interpreter import CpuExecutor
 from mpk.compiler import record
 from mpk.compiler.plan import Plan
+from mpk.dtypes import DType
 from mpk.errors import MpkError
+from mpk.graph.graph import Graph
+from mpk.models import decode_io as io
 from mpk.models.reference import ReferenceModel
 from mpk.parallel.group import REDUCE_KIND
 from mpk.parallel.tp import TensorParallel, shard_dim, unshard
 from mpk.tasks.base import Tile, grid_points
 from mpk.tasks.registry import get_kind
+from mpk.tensors import Role
 
 # Two logits closer than this (in units of the logits' std) are a near-tie: bf16 rounding and
 # summation order may legitimately pick either, so greedy tokens are compared up to it.
@@ -73,6 +77,31 @@ def greedy_mismatches(ref: ReferenceModel, prompts: list[list[int]],
         bad += [f"prompt {row} step {i}: token {tokens[i]} is {float(g):.3g} std below the best"
                 for i, g in enumerate(gaps) if g > near_tie]
     return bad
+
+
+# ---- a sampling head: lm_head with the argmax epilogue, then argmax_reduce ---------------------
+def sampling_head_graph(batch: int, vocab: int, k: int, tasks: int, steps: int) -> Graph:
+    """x [batch, k] @ w [vocab, k]^T -> logits, the argmax epilogue over `tasks` slices with the
+    SAMPLING and POSITIONS inputs, and argmax_reduce (with the logits, for top-k / top-p rows)
+    writing tokens_out [steps, batch]: the tail of a decode step, alone."""
+    g = Graph()
+    g.add_tensor("x", (batch, k), DType.BF16, Role.IO)
+    g.add_tensor("w", (vocab, k), DType.BF16, Role.WEIGHT)
+    g.add_tensor("logits", (batch, vocab), DType.F32, Role.ACTIVATION)
+    g.add_tensor("pv", (batch, tasks), DType.F32, Role.ACTIVATION)
+    g.add_tensor("pi", (batch, tasks), DType.I32, Role.ACTIVATION)
+    g.add_tensor(io.SAMPLING, (batch, io.SAMPLING_WORDS), DType.I32, Role.IO)
+    g.add_tensor(io.POSITIONS, (batch,), DType.I32, Role.IO)
+    g.add_tensor("tokens", (batch,), DType.I32, Role.ACTIVATION)
+    g.add_tensor("tokens_out", (steps, batch), DType.I32, Role.IO)
+    heads = {"sampling": io.SAMPLING, "positions": io.POSITIONS}
+    g.add_op("linear", "head", (tasks,), {"x": "x", "weight": "w", "out": "logits",
+                                          "part_val": "pv", "part_idx": "pi", **heads},
+             epilogue="argmax")
+    g.add_op("argmax_reduce", "pick", (batch,), {"part_val": "pv", "part_idx": "pi",
+                                                 "tokens": "tokens", "tokens_out": "tokens_out",
+                                                 "logits": "logits", **heads})
+    return g
 
 
 # ---- tensor-parallel ranks in one process ----------------------------------------------------

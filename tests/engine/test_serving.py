@@ -74,7 +74,7 @@ def test_drain_finishes_then_refuses_and_cancel_frees(model) -> None:
     engine.stop()
 
 
-def test_seeded_sampling_reproduces_and_top_p_is_refused(model) -> None:
+def test_seeded_sampling_reproduces_and_the_narrowest_filters_are_greedy(model) -> None:
     cfg, weights = model
     engine = Engine(cfg, weights, backend="cpu", num_sms=4, max_seq_len=64, steps_per_launch=4,
                     progress=False)
@@ -84,6 +84,13 @@ def test_seeded_sampling_reproduces_and_top_p_is_refused(model) -> None:
             for s in (11, 11, 12)]
     a, b, c = (h.result(timeout=120).token_ids for h in runs)
     assert a == b and a != c  # the seed fixes the tokens, whatever ran beside them
-    with pytest.raises(Exception, match="top_p"):
-        engine.submit(prompt, SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9))
+    greedy = engine.submit(prompt, SamplingParams(max_tokens=12)).result(timeout=120).token_ids
+    # top_k 1 keeps the argmax alone; so does a nucleus smaller than the top token's probability
+    # (random weights: no exact ties at the top)
+    narrow = [engine.submit(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=11, **f))
+              for f in ({"top_k": 1}, {"top_p": 1e-6})]
+    assert [h.result(timeout=120).token_ids for h in narrow] == [greedy, greedy]
+    wide = engine.submit(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=11,
+                                                top_k=cfg.vocab_size, top_p=1.0))
+    assert wide.result(timeout=120).token_ids == a  # no-op filters: the plain sample
     engine.stop()

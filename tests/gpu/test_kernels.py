@@ -127,7 +127,7 @@ def test_argmax_reduce(batch, tiles):
     graph.add_tensor("pi", (batch, tiles), I32, Role.IO)
     graph.add_tensor("tokens", (batch,), I32, Role.IO)
     graph.add_tensor("tokens_out", (steps + 1, batch), I32, Role.IO)
-    graph.add_op("argmax_reduce", "sample", (1,),
+    graph.add_op("argmax_reduce", "sample", (batch,),
                  operands={"part_val": "pv", "part_idx": "pi", "tokens": "tokens",
                            "tokens_out": "tokens_out"})
     inputs = {"pv": pv, "pi": pi, "tokens": torch.full((batch,), -5, dtype=torch.int32),

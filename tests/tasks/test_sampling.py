@@ -5,7 +5,6 @@ temperature 0 stays exactly greedy."""
 from __future__ import annotations
 
 import math
-import struct
 
 import numpy as np
 import pytest
@@ -13,11 +12,9 @@ import torch
 
 from mpk.backends.registry import create_executor
 from mpk.compiler.lower import compile_graph
-from mpk.dtypes import DType
-from mpk.graph.graph import Graph
 from mpk.models import decode_io as io
-from mpk.tasks.sampling import split_seed, uniform
-from mpk.tensors import Role
+from mpk.tasks.sampling import RowSampling, encode, kept_threshold, ordered_keys, uniform
+from mpk.testing import sampling_head_graph
 
 VOCAB, K, STEPS, TASKS = 64, 16, 4000, 5
 LOGITS = torch.linspace(-2.0, 2.0, VOCAB)  # a spread of probabilities, every token reachable
@@ -31,51 +28,37 @@ def test_uniform_is_a_fixed_function_in_the_open_interval() -> None:
     assert not np.array_equal(u, uniform(7, 4, np.arange(50000)))
 
 
-def _sampling_graph(batch: int) -> Graph:
-    """x @ W^T = LOGITS for every row (W's column 0 holds the logits, x = e_0), then the argmax
-    epilogue over TASKS uneven slices and the reduction to one token per step."""
-    g = Graph()
-    g.add_tensor("x", (batch, K), DType.BF16, Role.IO)
-    g.add_tensor("w", (VOCAB, K), DType.BF16, Role.WEIGHT)
-    g.add_tensor("logits", (batch, VOCAB), DType.F32, Role.ACTIVATION)
-    g.add_tensor("pv", (batch, TASKS), DType.F32, Role.ACTIVATION)
-    g.add_tensor("pi", (batch, TASKS), DType.I32, Role.ACTIVATION)
-    g.add_tensor(io.SAMPLING, (batch, io.SAMPLING_WORDS), DType.I32, Role.IO)
-    g.add_tensor(io.POSITIONS, (batch,), DType.I32, Role.IO)
-    g.add_tensor("tokens", (batch,), DType.I32, Role.ACTIVATION)
-    g.add_tensor("tokens_out", (STEPS, batch), DType.I32, Role.IO)
-    g.add_op("linear", "head", (TASKS,), {"x": "x", "weight": "w", "out": "logits",
-                                          "part_val": "pv", "part_idx": "pi",
-                                          "sampling": io.SAMPLING, "positions": io.POSITIONS},
-             epilogue="argmax")
-    g.add_op("argmax_reduce", "pick", (1,), {"part_val": "pv", "part_idx": "pi",
-                                             "tokens": "tokens", "tokens_out": "tokens_out"})
-    return g
-
-
-def _run(rows: list[tuple[float, int]]) -> torch.Tensor:
-    """tokens_out [STEPS, rows] for per-row (temperature, seed), positions 0 .. STEPS-1."""
+def _run(rows: list[tuple[float, int, int, float]], steps: int = STEPS) -> torch.Tensor:
+    """tokens_out [steps, rows] for per-row (temperature, seed, top_k, top_p), positions
+    0 .. steps-1. x @ W^T = LOGITS for every row (W's column 0 holds the logits, x = e_0)."""
     batch = len(rows)
-    ex = create_executor(compile_graph(_sampling_graph(batch), num_sms=3), "cpu")
+    graph = sampling_head_graph(batch, VOCAB, K, TASKS, steps)
+    ex = create_executor(compile_graph(graph, num_sms=3), "cpu")
     x = torch.zeros(batch, K, dtype=torch.bfloat16)
     x[:, 0] = 1
     w = torch.zeros(VOCAB, K)
     w[:, 0] = LOGITS
-    words = torch.zeros(batch, io.SAMPLING_WORDS, dtype=torch.int32)
-    for b, (t, seed) in enumerate(rows):
-        words[b, 0] = struct.unpack("<i", struct.pack("<f", t))[0]
-        words[b, 1:3] = torch.tensor(split_seed(seed))
+    words = torch.tensor([encode(*row) for row in rows], dtype=torch.int32)
     ex.bind("x", x)
     ex.bind("w", w.bfloat16())
     ex.bind(io.SAMPLING, words)
     ex.bind(io.POSITIONS, torch.zeros(batch, dtype=torch.int32))
-    ex.bind("tokens_out", torch.zeros(STEPS, batch, dtype=torch.int32))
-    ex.run(STEPS)
+    ex.bind("tokens_out", torch.zeros(steps, batch, dtype=torch.int32))
+    ex.run(steps)
     return ex.read("tokens_out")
 
 
+def _chi2(tokens: torch.Tensor, expected: np.ndarray) -> float:
+    """Pearson's chi-square of the token counts against `expected` probabilities (its support)."""
+    counts = np.bincount(tokens.numpy(), minlength=VOCAB)
+    assert counts[expected == 0].sum() == 0, "a token outside the support was drawn"
+    e = STEPS * expected[expected > 0]
+    return float((((counts[expected > 0] - e) ** 2) / e).sum())
+
+
 def test_frequencies_match_softmax_and_greedy_stays_greedy() -> None:
-    out = _run([(0.8, 12345), (0.0, 99), (0.8, 12345), (0.8, 777)])
+    out = _run([(0.8, 12345, 0, 1.0), (0.0, 99, 0, 1.0), (0.8, 12345, 0, 1.0),
+                (0.8, 777, 0, 1.0)])
     logits = LOGITS.bfloat16().float()  # the weights are bf16
     expected = torch.softmax(logits / 0.8, dim=0).numpy()
     counts = np.bincount(out[:, 0].numpy(), minlength=VOCAB)
@@ -93,6 +76,78 @@ def test_frequencies_match_softmax_and_greedy_stays_greedy() -> None:
 
 @pytest.mark.parametrize("temperature", [1e-4])
 def test_a_tiny_temperature_is_greedy(temperature: float) -> None:
-    out = _run([(temperature, 5)])
+    out = _run([(temperature, 5, 0, 1.0)], steps=300)
     assert bool((out[:, 0] == int(torch.argmax(LOGITS.bfloat16().float()))).all())
     assert math.isfinite(temperature)
+
+
+def _chi2_limit(dof: int) -> float:
+    """The 99.9% quantile of chi-square with `dof` degrees of freedom (Wilson-Hilferty; within
+    1% of the exact value for dof >= 3)."""
+    a = 2 / (9 * dof)
+    return dof * (1 - a + 3.0902 * math.sqrt(a)) ** 3
+
+
+def _filtered_probs(temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """softmax(LOGITS / T) restricted as top-k then top-p define it, in float64 and by sorting
+    (independent of the kernel's fixed-point radix selection; LOGITS has no ties)."""
+    probs = torch.softmax(LOGITS.bfloat16().double() / temperature, dim=0).numpy()
+    order = np.argsort(-probs, kind="stable")
+    keep = order[:top_k] if top_k else order
+    p = probs[keep] / probs[keep].sum()
+    cum = np.cumsum(p)
+    n = int(np.searchsorted(cum, top_p - 1e-12)) + 1
+    if n < len(keep):  # the test's p must not sit on a boundary that rounding could move
+        assert min(abs(cum[n - 1] - top_p), abs(cum[n - 2] - top_p) if n > 1 else 1) > 1e-4
+    out = np.zeros(VOCAB)
+    out[keep[:n]] = p[:n] / p[:n].sum()
+    return out
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, 8, 1.0), (1.0, 0, 0.5),
+                                                     (0.9, 20, 0.7)])
+def test_filtered_frequencies_match_the_restricted_softmax(temperature: float, top_k: int,
+                                                           top_p: float) -> None:
+    out = _run([(temperature, 31, top_k, top_p)])
+    expected = _filtered_probs(temperature, top_k, top_p)
+    support = int((expected > 0).sum())
+    assert 1 < support < VOCAB
+    chi2 = _chi2(out[:, 0], expected)
+    assert chi2 < _chi2_limit(support - 1), (chi2, support)
+    # The test tells the filter apart from the unfiltered distribution (which also draws
+    # tokens outside the support: _chi2 would refuse those).
+    plain = torch.softmax(LOGITS.bfloat16().double() / temperature, dim=0).numpy()
+    assert plain[expected == 0].sum() * STEPS > 50
+
+
+def test_a_filtered_row_is_reproducible_whatever_runs_beside_it() -> None:
+    row = (0.8, 12345, 8, 0.9)
+    alone = _run([row], steps=200)[:, 0]
+    beside = _run([(0.0, 1, 0, 1.0), row, (1.2, 5, 3, 1.0)], steps=200)
+    assert torch.equal(alone, beside[:, 1])
+    assert bool((beside[:, 0] == int(torch.argmax(LOGITS.bfloat16().float()))).all())
+    assert set(beside[:, 2].tolist()) <= {VOCAB - 1, VOCAB - 2, VOCAB - 3}
+
+
+def test_ties_at_the_threshold_are_kept() -> None:
+    logits = np.array([1.0, 3.0, 3.0, 2.0, 3.0, 0.0, -0.0], dtype=np.float32)
+    keys = ordered_keys(logits)
+    assert keys[5] == keys[6]  # -0 orders as +0
+    row = RowSampling.decode(list(encode(1.0, 0, top_k=2)))
+    assert np.array_equal(keys >= kept_threshold(logits, row), logits == 3)  # all three 3s
+    row = RowSampling.decode(list(encode(1.0, 0, top_k=4)))
+    assert np.array_equal(keys >= kept_threshold(logits, row), logits >= 2)
+    # top_p: the three 3s hold 3e^3 / (3e^3 + e^2 + e + 2) = 0.87 of the mass
+    row = RowSampling.decode(list(encode(1.0, 0, top_p=0.5)))
+    assert np.array_equal(keys >= kept_threshold(logits, row), logits == 3)
+    row = RowSampling.decode(list(encode(1.0, 0, top_p=0.9)))
+    assert np.array_equal(keys >= kept_threshold(logits, row), logits >= 2)
+
+
+def test_sampling_words() -> None:
+    assert encode(0.0, 7, 5, 0.5) == (0, 0, 0, 0, 0)  # greedy: filters do not matter
+    row = RowSampling.decode(list(encode(0.5, 2**40 + 3, 7, 0.25)))
+    assert (row.temperature, row.seed, row.top_k, row.top_p_fixed) == (0.5, 2**40 + 3, 7, 1 << 22)
+    assert row.filters
+    assert not RowSampling.decode(list(encode(0.5, 1, 0, 1.0))).filters  # plain temperature
+    assert RowSampling.decode(list(encode(0.5, 1, 0, 1e-9))).top_p_fixed == 1  # never empty

@@ -142,10 +142,6 @@ class Engine:
         if self._serving is None:
             raise MpkError("call start() before submit()")
         params = params or SamplingParams()
-        if not params.greedy and (params.top_k or params.top_p < 1):
-            raise InvalidRequestError(
-                f"top_k={params.top_k}, top_p={params.top_p}: only plain temperature sampling is "
-                f"supported so far (top_k 0, top_p 1)")
         row = validate_prompt(prompt, self.cfg.vocab_size)
         need = positions_needed(len(row), params.max_tokens)
         if need > self.options.max_seq_len:

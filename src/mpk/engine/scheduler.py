@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import logging
 import random
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -29,7 +28,7 @@ from mpk.engine.kv_cache import PagePool
 from mpk.engine.requests import (FinishReason, InvalidRequestError, RequestHandle,
                                  SamplingParams, positions_needed)
 from mpk.models import decode_io as io
-from mpk.tasks.sampling import split_seed
+from mpk.tasks import sampling
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +42,7 @@ class _Running:
     pos: int = 0  # the position this slot processes at the next launch's step 0
     stop_ids: frozenset[int] = frozenset()
     finished: FinishReason | None = None
-    sampling_words: tuple[int, int, int, int] = (0, 0, 0, 0)
+    sampling_words: tuple[int, ...] = (0,) * io.SAMPLING_WORDS
 
     @property
     def steps_left(self) -> int:
@@ -183,13 +182,13 @@ class Scheduler:
         prompt = torch.full((steps, slots), io.NO_FORCE, dtype=torch.int32)
         positions = torch.zeros(slots, dtype=torch.int32)
         table = torch.full((slots, self.max_pages), io.NO_PAGE, dtype=torch.int32)
-        sampling = torch.zeros((slots, io.SAMPLING_WORDS), dtype=torch.int32)
+        words = torch.zeros((slots, io.SAMPLING_WORDS), dtype=torch.int32)
         for b, run in enumerate(self.running):
             if run is None:
                 prompt[:, b] = 0  # an empty slot embeds token 0 (its tokens are dropped)
                 continue
             positions[b] = run.pos
-            sampling[b] = torch.tensor(run.sampling_words, dtype=torch.int32)
+            words[b] = torch.tensor(run.sampling_words, dtype=torch.int32)
             chunk = run.handle.prompt[run.pos: run.pos + steps]
             if chunk:
                 prompt[: len(chunk), b] = torch.tensor(chunk, dtype=torch.int32)
@@ -198,7 +197,7 @@ class Scheduler:
         self.executor.write(io.POSITIONS, positions)
         self.executor.write(io.PAGE_TABLE, table)
         if self.sampling:
-            self.executor.write(io.SAMPLING, sampling)
+            self.executor.write(io.SAMPLING, words)
 
     def _collect(self, run: _Running, produced: list[int], now: float) -> None:
         handle, params = run.handle, run.handle.params
@@ -237,11 +236,9 @@ class Scheduler:
         return text[: min(cuts)] if cuts else text
 
 
-def sampling_words(params: SamplingParams) -> tuple[int, int, int, int]:
-    """A request's row of the SAMPLING input: temperature bits, seed low, seed high, 0."""
+def sampling_words(params: SamplingParams) -> tuple[int, ...]:
+    """A request's row of the SAMPLING input (tasks/sampling.py owns the layout)."""
     if params.greedy:
-        return (0, 0, 0, 0)
-    temperature = struct.unpack("<i", struct.pack("<f", float(params.temperature)))[0]
+        return sampling.encode(0.0, 0)
     seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(63)
-    lo, hi = split_seed(seed)
-    return (temperature, lo, hi, 0)
+    return sampling.encode(params.temperature, seed, params.top_k, params.top_p)

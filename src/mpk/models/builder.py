@@ -110,7 +110,8 @@ def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = DEFAULT_NUM
 def _lm_head(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int) -> None:
     """Final norm (fused into lm_head's prologue by the compiler), lm_head with the argmax of
     each task's slice in its epilogue (or, for rows that sample, of logits / T + Gumbel noise),
-    and the reduction to one token per row."""
+    and the reduction to one token per row (which, for rows with top-k / top-p, selects from
+    the logits)."""
     b, h = shape.batch, cfg.hidden_size
     g.add_tensor("final_norm", (h,), BF16, Role.WEIGHT)
     g.add_tensor("lm_head", (cfg.vocab_size, h), BF16, Role.WEIGHT)
@@ -125,8 +126,10 @@ def _lm_head(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int) -> No
                                              "out": "logits", "part_val": "argmax_val",
                                              "part_idx": "argmax_idx", "sampling": io.SAMPLING,
                                              "positions": io.POSITIONS}, epilogue="argmax")
-    g.add_op("argmax_reduce", "sample", (1,), {"part_val": "argmax_val", "part_idx": "argmax_idx",
-                                               "tokens": io.TOKENS, "tokens_out": io.TOKENS_OUT})
+    g.add_op("argmax_reduce", "sample", (b,), {"part_val": "argmax_val", "part_idx": "argmax_idx",
+                                               "tokens": io.TOKENS, "tokens_out": io.TOKENS_OUT,
+                                               "logits": "logits", "sampling": io.SAMPLING,
+                                               "positions": io.POSITIONS})
 
 
 def _attention_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int,

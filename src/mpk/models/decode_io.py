@@ -10,11 +10,13 @@ profile and check drive them.
 | PAGE_TABLE | [B, max_pages] i32 | each row's KV pages (NO_PAGE past its allocation) |
 | TOKENS_OUT | [steps_per_launch, B] i32 | row s: the token produced at local step s |
 | TOKENS | [B] i32 (activation) | the last token produced: what the next step embeds unless forced |
-| SAMPLING | [B, 4] i32 | per row: temperature (float bits; 0 = greedy), seed low, seed high, 0 |
+| SAMPLING | [B, 5] i32 | per row: temperature (float bits; 0 = greedy), seed low, seed high, top_k, top_p (tasks/sampling.py owns the layout) |
 | k_cache.{l}, v_cache.{l} | [num_pages, page_size, kv_heads, head_dim] bf16 | paged KV cache of layer l |
 """
 
 from __future__ import annotations
+
+from mpk.tasks import sampling
 
 PROMPT = "prompt"
 POSITIONS = "positions"
@@ -22,7 +24,7 @@ PAGE_TABLE = "page_table"
 TOKENS_OUT = "tokens_out"
 TOKENS = "tokens"
 SAMPLING = "sampling"
-SAMPLING_WORDS = 4
+SAMPLING_WORDS = sampling.WORDS
 NO_FORCE = -1  # a PROMPT entry that lets the row embed its own previous token
 NO_PAGE = -1  # a PAGE_TABLE entry that holds no page: the kernels neither read nor write it
 INPUTS = (PROMPT, POSITIONS, PAGE_TABLE)

@@ -57,7 +57,7 @@ struct Task {
   const void* resid;  // same layout as out
   float* pval;        // part_val tile: row b at + b*T
   int* pidx;
-  const int* samp;    // sampling [B, 4]: temperature bits, seed low, seed high, unused
+  const int* samp;    // sampling [B, SAMPLING_WORDS] (tasks/sampling.py)
   const int* pos;     // positions [B]
   int step;
 };
@@ -106,26 +106,12 @@ __device__ __forceinline__ Scratch carve(const Task& t, char* smem) {
   return s;
 }
 
-// ---- argmax keys: larger key = better (value order, NaN highest, then the lower index) --------
-__device__ __forceinline__ unsigned long long argmax_key(float v, int idx) {
-  if (v == 0.f) v = 0.f;  // -0 ties with +0 (torch compares values): the lower index wins
-  uint32_t bits = __float_as_uint(v);
-  bits = (v != v) ? 0xffffffffu : ((bits & 0x80000000u) ? ~bits : (bits | 0x80000000u));
-  return ((unsigned long long)bits << 32) | (uint32_t)(~idx);
-}
-__device__ __forceinline__ float key_value(unsigned long long key) {
-  const uint32_t bits = (uint32_t)(key >> 32);
-  if (bits == 0xffffffffu) return __int_as_float(0x7fc00000);
-  return __uint_as_float((bits & 0x80000000u) ? (bits & 0x7fffffffu) : ~bits);
-}
-__device__ __forceinline__ int key_index(unsigned long long key) { return (int)~(uint32_t)key; }
-
 // The key of output n of batch row b: its stored value, or for a row that samples
 // (temperature > 0) value / T plus its Gumbel noise.
 __device__ __forceinline__ unsigned long long rank_key(const Scratch& s, int b, float y, int n) {
   const float T = s.temp[b];
   if (T > 0.f) y = __fadd_rn(__fdiv_rn(y, T), dev::gumbel(s.seed[b], s.spos[b], n));
-  return argmax_key(y, n);
+  return dev::argmax_key(y, n);
 }
 
 // ---- epilogue of one output --------------------------------------------------------------------
@@ -452,8 +438,8 @@ __device__ __forceinline__ void write_argmax(const Task& t, const Scratch& s,
   const int tid = threadIdx.x;
   if (tid < t.B) {
     const unsigned long long key = s.best[tid];
-    t.pval[(long long)tid * t.T] = key_value(key);
-    t.pidx[(long long)tid * t.T] = key_index(key);
+    t.pval[(long long)tid * t.T] = dev::key_value(key);
+    t.pidx[(long long)tid * t.T] = dev::key_index(key);
   }
 }
 
@@ -473,9 +459,9 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
     s.best[tid] = 0ull;
     s.temp[tid] = 0.f;  // greedy unless the row's sampling words say otherwise
     if (t.sampling && tid < t.B) {  // host-written IO: L2-coherent loads
-      s.temp[tid] = __int_as_float(dev::ld_act_i32(t.samp + tid * 4));
-      s.seed[tid] = (unsigned long long)(unsigned)dev::ld_act_i32(t.samp + tid * 4 + 1) |
-                    ((unsigned long long)(unsigned)dev::ld_act_i32(t.samp + tid * 4 + 2) << 32);
+      const int* words = t.samp + tid * SAMPLING_WORDS;
+      s.temp[tid] = __int_as_float(dev::ld_act_i32(words + SAMPLING_TEMPERATURE));
+      s.seed[tid] = dev::sampling_seed(words);
       s.spos[tid] = (long long)dev::ld_act_i32(t.pos + tid) + t.step;
     }
   }

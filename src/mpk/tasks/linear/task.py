@@ -11,9 +11,9 @@ Epilogues:
   none:     the product is rounded to out's dtype, then `residual` (optional) is added
   silu_mul: bf16(bf16(silu(bf16(x@gate))) * bf16(x@up)), as the unfused gate_up + silu_mul ops
   argmax:   also writes each task's best output and its global index to part_val / part_idx
-            [B, T] (ties: lowest index; NaN wins), for argmax_reduce. With `sampling` [B, 4] i32
-            (per row: temperature as float bits, seed low, seed high, unused) and `positions`
-            [B] i32, a row with temperature T > 0 ranks out / T + Gumbel noise instead
+            [B, T] (ties: lowest index; NaN wins), for argmax_reduce. With `sampling` [B, WORDS]
+            i32 (tasks/sampling.py's row layout) and `positions` [B] i32, a row with
+            temperature T > 0 ranks out / T + Gumbel noise instead
             (tasks/sampling.py: the token argmax_reduce picks is then a sample of
             softmax(logits / T) at position positions[b] + step)
 On the GPU the weights come as a stream of shared-memory pages in the order of geometry.py.
@@ -21,7 +21,6 @@ On the GPU the weights come as a stream of shared-memory pages in the order of g
 
 from __future__ import annotations
 
-import struct
 
 import torch
 
@@ -137,7 +136,7 @@ class Linear(TaskKind):
         if op.has("sampling") != op.has("positions") or (op.has("sampling") and not argmax):
             raise op.error("sampling and positions are given together, with epilogue='argmax'")
         if op.has("sampling"):
-            op.expect_shape("sampling", (batch, 4))
+            op.expect_shape("sampling", (batch, sampling.WORDS))
             op.expect_shape("positions", (batch,))
             op.expect_dtype("sampling", DType.I32)
             op.expect_dtype("positions", DType.I32)
@@ -239,12 +238,10 @@ def _ranked(tile: Tile, values: torch.Tensor, first: int) -> torch.Tensor:
         return values
     ranked = values.clone()
     for b in range(values.shape[0]):
-        words = tile["sampling"][b].tolist()
-        temperature = struct.unpack("<f", struct.pack("<i", words[0]))[0]
-        if temperature > 0:
-            seed = (words[1] & 0xFFFFFFFF) | ((words[2] & 0xFFFFFFFF) << 32)
+        row = sampling.RowSampling.decode(tile["sampling"][b].tolist())
+        if row.samples:
             position = int(tile["positions"][b]) + tile.step
-            ranked[b] = sampling.perturbed(values[b], temperature, seed, position, first)
+            ranked[b] = sampling.perturbed(values[b], row.temperature, row.seed, position, first)
     return ranked
 
 
