@@ -72,7 +72,7 @@ class SamplingFields(_Strict):
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
-            top_k=0 if self.top_k is None else self.top_k,
+            top_k=0 if self.top_k in (None, -1) else self.top_k,  # -1: vLLM's "no limit"
             top_p=1.0 if self.top_p is None else self.top_p,
             seed=self.seed,
             stop_token_ids=() if self.ignore_eos else eos_token_ids,
