@@ -118,6 +118,11 @@ def test_sampling_is_reproducible_per_seed(server: ServerProcess, oracle: Oracle
     assert sample(7) == sample(7)
     greedy = oracle.text(PROMPT, 12)
     assert {sample(s) for s in (1, 2, 3)} != {greedy}  # sampled, not the greedy text
+    # top_k and top_p reach the engine: keeping only the likeliest token is greedy again.
+    for narrow in ({"extra_body": {"top_k": 1}}, {"top_p": 1e-6}):
+        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
+                                        temperature=1.5, seed=1, **narrow)
+        assert out.choices[0].text == greedy, narrow
 
 
 def test_models_health_and_request_id(server: ServerProcess) -> None:
