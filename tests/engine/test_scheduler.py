@@ -188,10 +188,16 @@ def test_zero_max_tokens_and_stats() -> None:
     ({"max_tokens": -1}, "max_tokens"), ({"temperature": -0.5}, "temperature"),
     ({"top_p": 0.0}, "top_p"), ({"top_k": 1.5}, "top_k"), ({"seed": "x"}, "seed"),
     ({"stop": ("",)}, "stop"), ({"temperature": float("nan")}, "temperature"),
+    ({"top_k": 2**31}, "top_k"),
 ])
 def test_bad_sampling_params(kwargs: dict, message: str) -> None:
     with pytest.raises(InvalidRequestError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_a_temperature_too_small_to_scale_logits_is_greedy() -> None:
+    assert SamplingParams(temperature=1e-6, top_k=5).greedy  # l / 1e-40 would overflow fp32
+    assert not SamplingParams(temperature=1e-5).greedy
 
 
 @pytest.mark.parametrize(("prompt", "message"), [

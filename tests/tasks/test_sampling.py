@@ -13,7 +13,8 @@ import torch
 from mpk.backends.registry import create_executor
 from mpk.compiler.lower import compile_graph
 from mpk.models import decode_io as io
-from mpk.tasks.sampling import RowSampling, encode, kept_threshold, ordered_keys, uniform
+from mpk.tasks.sampling import (RowSampling, encode, kept_threshold, ordered_keys,
+                                sample_filtered, uniform)
 from mpk.testing import sampling_head_graph
 
 VOCAB, K, STEPS, TASKS = 64, 16, 4000, 5
@@ -151,3 +152,32 @@ def test_sampling_words() -> None:
     assert row.filters
     assert not RowSampling.decode(list(encode(0.5, 1, 0, 1.0))).filters  # plain temperature
     assert RowSampling.decode(list(encode(0.5, 1, 0, 1e-9))).top_p_fixed == 1  # never empty
+
+
+@pytest.mark.parametrize("logits,temperature,top_k,top_p,kept", [
+    ([1.0, 2.0, math.nan, 3.0, math.nan], 1.0, 2, 0.5, [2, 4]),  # NaN ranks highest
+    ([1.0, math.inf, 2.0, math.inf], 1.0, 2, 0.5, [1, 3]),  # inf - inf: no mass, top-k stays
+    ([4.0, 5.0, 0.01], 1e-40, 1, 0.5, [1]),  # l / T overflows: top-k stays
+    ([4.0, 5.0, 0.01], 1e-40, 0, 0.5, [0, 1, 2]),
+])
+def test_non_finite_scores_keep_the_top_k_set(logits: list[float], temperature: float,
+                                              top_k: int, top_p: float, kept: list[int]) -> None:
+    """What the kernel does when top / T is not finite (every mass 0): no nucleus, top-k only
+    (the review's reproducers; the interpreter used to raise here)."""
+    values = np.array(logits, dtype=np.float32)
+    row = RowSampling.decode(list(encode(temperature, 3, top_k, top_p)))
+    assert np.flatnonzero(ordered_keys(values) >= kept_threshold(values, row)).tolist() == kept
+
+
+def test_the_draw_never_leaves_the_kept_set() -> None:
+    """All kept scores -inf after scaling: still a kept token (torch.argmax over a masked row
+    would say 0)."""
+    row = RowSampling.decode(list(encode(1e-10, 3, top_k=1)))
+    assert sample_filtered(torch.tensor([-2e30, -1e30]), row, 0) == 1
+
+
+def test_out_of_range_nucleus_words_mean_no_nucleus() -> None:
+    words = list(encode(1.0, 3, top_p=0.5))
+    for p in (1 << 24, (1 << 24) + 5, -3):
+        words[4] = p
+        assert RowSampling.decode(words).top_p_fixed == 0

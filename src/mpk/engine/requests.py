@@ -32,12 +32,15 @@ class FinishReason(enum.Enum):
     ERROR = "error"  # the engine failed while the request ran
 
 
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request is decoded. temperature 0 is greedy (the default); otherwise tokens are
-    drawn from softmax(logits / temperature), restricted to the top_k most likely tokens
-    (0: no limit) and to the smallest set whose probability reaches top_p, reproducibly for a
-    given seed (None: a seed drawn per request)."""
+    """How one request is decoded. temperature 0 (or below GREEDY_BELOW) is greedy (the
+    default); otherwise tokens are drawn from softmax(logits / temperature), restricted to the
+    top_k most likely tokens (0: no limit) and to the smallest set whose probability reaches
+    top_p, reproducibly for a given seed (None: a seed drawn per request)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -55,8 +58,8 @@ class SamplingParams:
             raise bad("max_tokens", "an integer >= 0")
         if not _is_number(self.temperature) or not 0 <= self.temperature <= 100:
             raise bad("temperature", "a number in [0, 100]")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise bad("top_k", "an integer >= 0")
+        if not _is_int(self.top_k) or not 0 <= self.top_k < 2**31:
+            raise bad("top_k", "an integer in [0, 2^31)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "a number in (0, 1]")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
@@ -68,7 +71,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures below GREEDY_BELOW decode greedily (as vLLM does): logits / T would
+        overflow float32 and the draw would no longer be the argmax it tends to."""
+        return self.temperature < GREEDY_BELOW
 
 
 def _is_int(value: object) -> bool:

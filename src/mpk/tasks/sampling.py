@@ -15,7 +15,6 @@ float logarithms may differ in the last bit between the CPU and the GPU.
 
 from __future__ import annotations
 
-import math
 import struct
 from dataclasses import dataclass
 
@@ -98,7 +97,8 @@ class RowSampling:
     def decode(cls, words: list[int]) -> RowSampling:
         temperature = struct.unpack("<f", struct.pack("<i", words[TEMPERATURE]))[0]
         seed = (words[SEED_LO] & 0xFFFFFFFF) | ((words[SEED_HI] & 0xFFFFFFFF) << 32)
-        return cls(temperature, seed, max(words[TOP_K], 0), max(words[TOP_P], 0))
+        p = words[TOP_P] if 0 < words[TOP_P] < P_ONE else 0  # as the kernel reads it
+        return cls(temperature, seed, max(words[TOP_K], 0), p)
 
     @property
     def samples(self) -> bool:
@@ -123,7 +123,9 @@ def masses(logits: np.ndarray, temperature: float, top_logit: np.float32) -> np.
     kernel computes them; integers so that every sum is exact and order-free."""
     t = np.float32(temperature)
     scaled = (logits.astype(np.float32) / t).astype(np.float32)
-    e = np.exp((scaled - np.float32(top_logit / t)).astype(np.float32)).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        e = np.exp((scaled - np.float32(top_logit / t)).astype(np.float32)).astype(np.float32)
+    e = np.nan_to_num(e, nan=0.0)  # the GPU converts NaN to 0 (non-finite logits, l / T overflow)
     return np.floor(e.astype(np.float64) * MASS_ONE).astype(np.uint64)
 
 
@@ -149,8 +151,9 @@ def kept_threshold(logits: np.ndarray, row: RowSampling) -> int:
         w = masses(logits[kept], row.temperature, top)
         order = np.argsort(keys[kept], kind="stable")[::-1]
         cum = np.cumsum(w[order], dtype=np.uint64)
-        first = int(np.searchsorted(cum, nucleus_target(int(cum[-1]), row.top_p_fixed)))
-        lo = int(keys[kept][order][first])
+        if cum[-1] > 0:  # 0 only when top / T is not finite: no mass to measure, top-k stays
+            first = int(np.searchsorted(cum, nucleus_target(int(cum[-1]), row.top_p_fixed)))
+            lo = int(keys[kept][order][first])
     return lo
 
 
@@ -158,7 +161,8 @@ def sample_filtered(logits: torch.Tensor, row: RowSampling, position: int) -> in
     """The token a filtering row draws: Gumbel-max of logits / T over the kept tokens (lowest
     index on ties), the same noise as lm_head's epilogue."""
     values = logits.float().numpy()
-    kept = ordered_keys(values) >= kept_threshold(values, row)
-    ranked = perturbed(logits, row.temperature, row.seed, position, 0)
-    ranked[torch.from_numpy(~kept)] = -math.inf
-    return int(torch.argmax(ranked))
+    kept = np.flatnonzero(ordered_keys(values) >= kept_threshold(values, row))
+    # as perturbed() computes it, for the kept indices only (each with its own index's noise)
+    ranked = logits[kept].float() / torch.tensor(row.temperature, dtype=torch.float32)
+    ranked = ranked + gumbel(row.seed, position, kept)
+    return int(kept[int(torch.argmax(ranked))])

@@ -108,7 +108,7 @@ __device__ __forceinline__ void pick_bin(const Scratch& s, unsigned long long ab
   const unsigned long long excl = incl - own;
   const unsigned long long total = __shfl_sync(0xffffffffu, incl, 31);
   const bool mine = above + excl < want && want <= above + incl;
-  if (__ballot_sync(0xffffffffu, mine) == 0u) {  // want exceeds the total (NaN logits):
+  if (__ballot_sync(0xffffffffu, mine) == 0u) {  // want exceeds the total (not reached):
     if (lane == 0) {                             // keep everything left
       s.pick[0] = 0;
       s.pick[1] = above + total - s.hist[0];
@@ -183,7 +183,10 @@ __device__ int draw_filtered(Filter& f, const Scratch& s) {
       if (dev::ordered_key(l) >= lo) z += mass(f, l);
     }
     z = block_sum(s, z);
-    lo = radix_select<true>(f, s, lo, nucleus_target(z, f.p_fixed));
+    // z = 0 only when top / T is not finite (NaN or infinite logits, l / T overflowing at a
+    // tiny T): no mass to measure, the top-k set stays (pick_bin's fallback would keep every
+    // key, top-k's rejects included).
+    if (z != 0ull) lo = radix_select<true>(f, s, lo, nucleus_target(z, f.p_fixed));
   }
   unsigned long long best = 0;
   for (int i = threadIdx.x; i < f.V; i += NUM_THREADS) {
