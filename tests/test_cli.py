@@ -61,7 +61,7 @@ def test_generate_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_generate_batch_matches_the_reference(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "generate", "--model", "tiny-llama", "--backend", "cpu",
                        "--prompt-ids", "5,6,7", "--prompt-ids", "9", "--max-new-tokens", "5",
-                       "--seed", "3", "--steps-per-launch", "4", "--json")
+                       "--weights-seed", "3", "--steps-per-launch", "4", "--json")
     assert code == 0
     cfg = get_preset("tiny-llama")
     ref = ReferenceModel(cfg, random_weights(cfg, seed=3), max_seq=16)
@@ -101,6 +101,51 @@ def test_generate_from_a_checkpoint_with_text(capsys: pytest.CaptureFixture[str]
     assert result["random_weights"] is False and result["prompt_ids"] == [[3, 4, 5]]
     assert result["text"] == [" ".join(f"w{i}" for i in result["token_ids"][0])]
     assert "random weights" not in err
+
+
+def _generate_json(capsys: pytest.CaptureFixture[str], checkpoint: Path,
+                   *extra: str) -> dict:
+    code, out, err = run(capsys, "generate", "--checkpoint", str(checkpoint), "--backend", "cpu",
+                         "--prompt", "w3 w4 w5", "--max-new-tokens", "6", "--ignore-eos",
+                         "--json", *extra)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_generate_samples_with_a_seed(capsys: pytest.CaptureFixture[str],
+                                      checkpoint: Path) -> None:
+    greedy = _generate_json(capsys, checkpoint)["token_ids"]
+    sample = [_generate_json(capsys, checkpoint, "--temperature", "1.5", "--seed", str(s))
+              for s in (7, 7, 8)]
+    assert sample[0]["token_ids"] == sample[1]["token_ids"] != sample[2]["token_ids"]
+    assert sample[0]["token_ids"] != greedy  # random weights: a flat distribution at T 1.5
+    assert sample[0]["sampling"] == {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "seed": 7,
+                                     "stop": []}
+    top1 = _generate_json(capsys, checkpoint, "--temperature", "1.5", "--top-k", "1")
+    assert top1["token_ids"] == greedy  # the top-1 set is the argmax
+
+
+def test_generate_stops_before_a_stop_string(capsys: pytest.CaptureFixture[str],
+                                             checkpoint: Path) -> None:
+    full = _generate_json(capsys, checkpoint)
+    text = full["text"][0]
+    stop = text.split()[2]  # the third word
+    cut = _generate_json(capsys, checkpoint, "--stop", stop)
+    assert cut["text"] == [text[: text.find(stop)]]
+    assert cut["token_ids"][0] == full["token_ids"][0][: len(cut["token_ids"][0])]
+    assert len(cut["token_ids"][0]) < len(full["token_ids"][0])  # it stopped early
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--top-p", "0"], "top_p must be a number in (0, 1]"),
+    (["--temperature", "-1"], "temperature must be"),
+    (["--top-k", "-2"], "top_k must be"),
+    (["--stop", "x"], "--stop needs a tokenizer"),
+])
+def test_bad_sampling_options(capsys: pytest.CaptureFixture[str], extra: list[str],
+                              message: str) -> None:
+    code, _, err = run(capsys, "generate", "--model", "tiny-qwen3", "--backend", "cpu", *extra)
+    assert code == 2 and message in err and "Traceback" not in err
 
 
 def test_prompt_text_without_a_tokenizer(capsys: pytest.CaptureFixture[str],

@@ -22,7 +22,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 
 def test_readme_command_says_paris(capsys: pytest.CaptureFixture[str]) -> None:
-    """Exactly the README's command (default plan: 132 SMs, 8 new tokens)."""
+    """Exactly the README's command (the interpreter's default plan, 8 new tokens)."""
     smollm2_gguf()  # in the cache, as the command expects it
     code, out, err = run(capsys, "generate", "--model", "smollm2-135m", "--prompt",
                          "The capital of France is", "--backend", "cpu")

@@ -125,8 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
         _add_verbose_arg(p, "verbose_after")
         return p
 
-    g = command("generate", "Greedy-generate tokens with a model.", (
+    g = command("generate", "Generate tokens with a model (greedy, or sampled).", (
         "  mpk generate --model qwen3-0.6b --backend cpu --max-new-tokens 8\n"
+        "  mpk generate --model smollm2-135m --prompt 'Once upon a time' --temperature 0.8 "
+        "--top-p 0.95 --seed 1\n"
         "  mpk generate --model tiny-llama --prompt-ids 5,6,7 --prompt-ids 9 --json\n"
         "  mpk generate --model tiny-qwen3 --backend cpu --tp 2\n"
         "  mpk generate --checkpoint ~/models/Qwen3-0.6B --prompt 'The capital of France is'"),
@@ -144,7 +146,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=8, metavar="N",
                    help="tokens to generate per prompt (default: 8)")
     _add_backend_arg(g)
-    g.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    s = g.add_argument_group("sampling (default: greedy)")
+    s.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sample from softmax(logits / T); 0 = greedy (default: 0)")
+    s.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="sample among the K most likely tokens only (default: 0, no limit)")
+    s.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample among the smallest set of tokens holding probability P "
+                        "(default: 1, no limit)")
+    s.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="sampling seed: the same seed gives the same tokens (default: random)")
+    s.add_argument("--stop", metavar="TEXT", action="append", default=[],
+                   help="stop a prompt's output before this text (needs a tokenizer); repeat "
+                        "for several")
+    g.add_argument("--weights-seed", type=int, default=0, metavar="S",
+                   help="seed of a preset's random weights (default: 0)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS ids")
     g.add_argument("--num-sms", type=_positive, default=None, metavar="N",
                    help="SMs (persistent CTAs) to compile for (default: every SM of the GPU, "
@@ -287,15 +303,20 @@ def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) ->
 # ---- mpk generate ----------------------------------------------------------------------------
 def _cmd_generate(args: argparse.Namespace) -> int:
     from mpk.engine.job import GenerateJob, ModelSource, run_job
+    from mpk.engine.requests import SamplingParams
     from mpk.models.resolve import resolve_model
 
+    # Bad sampling options fail before the model loads.
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              seed=args.seed, stop=tuple(args.stop))
     backend = _backend(args)
     resolved = resolve_model(args.model if not args.checkpoint else None, args.checkpoint,
                              progress=False if args.json else None)
     cfg, model, tokenizer, checkpoint = (resolved.cfg, resolved.label, resolved.tokenizer,
                                          resolved.checkpoint)
     if checkpoint is None:
-        _note(f"preset {model!r} runs with random weights (seed {args.seed}); the generated ids "
+        _note(f"preset {model!r} runs with random weights (seed {args.weights_seed}); the "
+              f"generated ids "
               f"carry no meaning (smollm2-135m runs real weights)")
     if (args.prompt or args.chat) and tokenizer is None:
         where = (f"{checkpoint} has no tokenizer.json or GGUF vocabulary" if checkpoint
@@ -319,16 +340,24 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         prompts = [list(DEFAULT_PROMPT_IDS)]
     # Default KV length: what this request needs (the engine rounds it up to whole pages).
     need = max(len(p) for p in prompts) + max(args.max_new_tokens, 1) - 1
-    job = GenerateJob(ModelSource(cfg, checkpoint, args.seed), prompts, args.max_new_tokens,
-                      () if args.ignore_eos else cfg.eos_token_ids, backend, args.num_sms,
-                      args.max_seq_len or need, args.steps_per_launch,
-                      progress=False if args.json else None)
+    if args.stop and tokenizer is None:
+        raise MpkError("--stop needs a tokenizer (the model has none): stop strings are text")
+    job = GenerateJob(ModelSource(cfg, checkpoint, args.weights_seed), prompts,
+                      args.max_new_tokens, () if args.ignore_eos else cfg.eos_token_ids, backend,
+                      args.num_sms, args.max_seq_len or need, args.steps_per_launch,
+                      progress=False if args.json else None, sampling=sampling,
+                      tokenizer=tokenizer if args.stop else None)
     result = run_job(job, args.tp)
-    texts = [tokenizer.decode(ids) for ids in result.token_ids] if tokenizer else None
+    texts = result.texts
+    if texts is None and tokenizer is not None:
+        texts = [tokenizer.decode(ids) for ids in result.token_ids]
     if args.json:
         out = {"model": model, "backend": backend, "tp": args.tp,
                "random_weights": checkpoint is None,
-               "seed": None if checkpoint else args.seed, "prompt_ids": prompts,
+               "weights_seed": None if checkpoint else args.weights_seed,
+               "sampling": {"temperature": args.temperature, "top_k": args.top_k,
+                            "top_p": args.top_p, "seed": args.seed, "stop": args.stop},
+               "prompt_ids": prompts,
                "token_ids": result.token_ids,
                "timings": {k: round(float(v), 6) for k, v in result.timings.items()}}
         if texts is not None:

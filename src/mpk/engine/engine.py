@@ -8,6 +8,7 @@ loop.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -167,25 +168,30 @@ class Engine:
         return {batch: runner.plan for batch, runner in self._runners.items()}
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 eos_token_ids: Iterable[int] = ()) -> GenerationResult:
-        """Greedy continuation of each prompt: up to max_new_tokens new ids per prompt, cut
-        after the first EOS id (which is kept). All prompts run in one batch (a plan of
-        len(prompts) rows); prompts of different lengths share it."""
+                 eos_token_ids: Iterable[int] = (), sampling: SamplingParams | None = None,
+                 detokenize: Detokenize | None = None) -> GenerationResult:
+        """Continue each prompt: up to max_new_tokens new ids per prompt, cut after the first
+        EOS id (which is kept). Greedy unless `sampling` says otherwise (its temperature, top_k,
+        top_p, seed and stop strings; stop strings need `detokenize`). All prompts run in one
+        batch (a plan of len(prompts) rows); prompts of different lengths share it."""
         rows = self._validate(prompts, max_new_tokens)
         timings = {"compile_s": 0.0, "load_s": self._unreported_load_s}
         self._unreported_load_s = 0.0
-        params = SamplingParams(max_tokens=max_new_tokens,
-                                stop_token_ids=tuple(int(t) for t in eos_token_ids))
+        params = dataclasses.replace(sampling or SamplingParams(), max_tokens=max_new_tokens,
+                                     stop_token_ids=tuple(int(t) for t in eos_token_ids))
         if max_new_tokens == 0:
             return GenerationResult([[] for _ in rows], {**timings, "prefill_s": 0.0,
                                                          "decode_s": 0.0, "ms_per_token": 0.0,
-                                                         "steps": 0, "launches": 0})
-        if self._serving is not None:  # share the serving slots rather than a second plan
-            handles = [self.submit(row, params) for row in rows]
-            return GenerationResult([h.result().token_ids for h in handles], timings)
+                                                         "steps": 0, "launches": 0},
+                                    ["" for _ in rows] if detokenize else None)
+        if self._serving is not None:  # share the serving slots (and start()'s detokenizer)
+            results = [h.result() for h in [self.submit(row, params) for row in rows]]
+            texts = [r.text for r in results]
+            return GenerationResult([r.token_ids for r in results], timings,
+                                    None if None in texts else texts)
         runner = self._runner(len(rows), timings)
         sched = Scheduler(runner.executor, runner.cache.pool, len(rows), self.options.max_pages,
-                          self.options.steps_per_launch)
+                          self.options.steps_per_launch, detokenize=detokenize)
         handles = [sched.submit(RequestHandle(row, params)) for row in rows]
         total = max(len(r) + max_new_tokens - 1 for r in rows)
         with tqdm(total=total, desc="generating", unit="step", disable=not self.progress,
@@ -193,7 +199,9 @@ class Engine:
             while sched.has_work():
                 bar.update(sched.step())
         timings.update(_split_timings(sched.stats, handles))
-        return GenerationResult([h.result().token_ids for h in handles], timings)
+        results = [h.result() for h in handles]
+        return GenerationResult([r.token_ids for r in results], timings,
+                                [r.text or "" for r in results] if detokenize else None)
 
     def _validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):

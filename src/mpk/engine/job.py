@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from mpk.backends.registry import get_backend
-from mpk.engine.requests import GenerationResult
+from mpk.engine.requests import GenerationResult, SamplingParams
 from mpk.engine.engine import Engine
 from mpk.models.config import ModelConfig
 from mpk.models.weights import load_checkpoint, random_weights
@@ -50,6 +51,10 @@ class GenerateJob:
     max_seq_len: int | None = None
     steps_per_launch: int = 16
     progress: bool | None = None
+    # Greedy by default; max_tokens and stop ids come from the fields above.
+    sampling: SamplingParams = SamplingParams()
+    # For stop strings: decodes ids to text (a tokenizers.Tokenizer pickles to the ranks).
+    tokenizer: Any = None
 
 
 def run_job(job: GenerateJob, tp_size: int = 1) -> GenerationResult:
@@ -71,4 +76,6 @@ def _run_engine(job: GenerateJob, tp: TensorParallel | None,
     engine = Engine(job.source.cfg, weights, backend=job.backend, num_sms=job.num_sms,
                     max_seq_len=job.max_seq_len, steps_per_launch=job.steps_per_launch,
                     progress=progress, tp=tp)
-    return engine.generate(job.prompts, job.max_new_tokens, eos_token_ids=job.eos_token_ids)
+    detokenize = job.tokenizer.decode if job.tokenizer is not None else None
+    return engine.generate(job.prompts, job.max_new_tokens, eos_token_ids=job.eos_token_ids,
+                           sampling=job.sampling, detokenize=detokenize)

@@ -113,11 +113,12 @@ class GenerationResult:
     0 when the plan was cached), load_s (weight preparation and executor set-up paid by this
     call), prefill_s (launch time until every row had its first token), decode_s (the rest),
     ms_per_token (decode time per decode step; every step yields one token per row), steps,
-    launches.
+    launches. texts: with a detokenizer, each output's text, cut before a stop string.
     """
 
     token_ids: list[list[int]]
     timings: dict[str, float] = field(default_factory=dict)
+    texts: list[str] | None = None
 
 
 @dataclass(frozen=True)

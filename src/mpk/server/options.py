@@ -32,7 +32,7 @@ class ServeOptions:
     num_sms: int | None = None
     api_key: str | None = None
     served_model_name: str | None = None
-    seed: int = 0  # random weights of a preset without real ones
+    weights_seed: int = 0  # random weights of a preset without real ones
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,8 +74,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model id clients send (default: the preset name, else the "
                         "checkpoint's name)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the random weights of presets without real ones (default: 0)")
+    p.add_argument("--weights-seed", type=int, default=0, metavar="S",
+                   help="seed of the random weights of presets without real ones (default: 0); "
+                        "requests carry their own sampling seed")
 
 
 def options_from_args(args: argparse.Namespace, backend: str) -> ServeOptions:
@@ -84,4 +85,4 @@ def options_from_args(args: argparse.Namespace, backend: str) -> ServeOptions:
                         port=args.port, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                         steps_per_launch=args.steps_per_launch, num_sms=args.num_sms,
                         api_key=args.api_key, served_model_name=args.served_model_name,
-                        seed=args.seed)
+                        weights_seed=args.weights_seed)

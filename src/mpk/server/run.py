@@ -17,6 +17,7 @@ from types import FrameType
 
 import uvicorn
 
+from mpk.backends.registry import get_backend
 from mpk.engine import Engine
 from mpk.engine.job import ModelSource
 from mpk.models.resolve import resolve_model
@@ -57,9 +58,9 @@ def build_state(opts: ServeOptions) -> ServerState:
     cfg = resolved.cfg
     if resolved.random_weights:
         log.warning("preset %r runs with random weights (seed %d): its output carries no "
-                    "meaning", resolved.label, opts.seed)
-    device = "cuda" if opts.backend == "cuda" else "cpu"
-    weights = ModelSource(cfg, resolved.checkpoint, opts.seed).load(device)
+                    "meaning", resolved.label, opts.weights_seed)
+    device = get_backend(opts.backend).device_type
+    weights = ModelSource(cfg, resolved.checkpoint, opts.weights_seed).load(device)
     engine = Engine(cfg, weights, backend=opts.backend, num_sms=opts.num_sms,
                     max_seq_len=opts.max_seq_len, steps_per_launch=opts.steps_per_launch,
                     progress=False)
