@@ -5,10 +5,16 @@
 #                                          GGUF_PARTS below), and `mpk generate` on it
 #   bash scripts/gpu_check.sh perf         mpk bench (MODELS x BATCHES) and mpk profile
 #   bash scripts/gpu_check.sh tp           tensor parallelism (needs >= 2 GPUs: nvidia-h200-x2+)
+#   bash scripts/gpu_check.sh serve        scripts/bench_serve.py against `mpk serve --backend cuda`
+#                                          (SERVE_MODEL, default qwen3-8b; REQUESTS, default 200)
 # Tune with MODELS="qwen3-0.6b ..." BATCHES="1 8" TOKENS=200 PYTEST_ARGS=... BUDGET=540.
 # GGUF_PARTS: files whose concatenation is the SmolLM2 GGUF (a call carries at most 64 MiB, so
 # it travels in two calls; stash the first in /tmp with GGUF_STASH=path of the part).
 # Steps run in order while the call's BUDGET (seconds) lasts; a failing gate step skips the rest.
+# Wheels the GPU image lacks travel in .whl/ (git-ignored; carry it): gguf for `real`, and for
+# `serve` the server and client stack, fetched here with
+#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#     --platform manylinux_2_17_x86_64 -d .whl gguf fastapi uvicorn prometheus_client openai
 set -uo pipefail
 mode=${1:-correctness}
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -81,6 +87,11 @@ case $mode in
       --max-new-tokens 32
     step bench_tp2 150 python3 -m mpk bench --model qwen3-8b --tp 2 --new-tokens 100
     ;;
-  *) echo "unknown mode $mode (use correctness, real, perf or tp)"; exit 2 ;;
+  serve)
+    step serve_bench 560 python3 scripts/bench_serve.py --num-requests "${REQUESTS:-200}" \
+      --launch "python3 -m mpk serve --backend cuda --model ${SERVE_MODEL:-qwen3-8b} \
+      --max-batch 16 --port 0" --out "$OUT/bench-serve.json"
+    ;;
+  *) echo "unknown mode $mode (use correctness, real, perf, tp or serve)"; exit 2 ;;
 esac
 exit $status
