@@ -5,7 +5,9 @@
 #                                          GGUF_PARTS below), and `mpk generate` on it
 #   bash scripts/gpu_check.sh perf         mpk bench (MODELS x BATCHES) and mpk profile
 #   bash scripts/gpu_check.sh tp           tensor parallelism (needs >= 2 GPUs: nvidia-h200-x2+)
-#   bash scripts/gpu_check.sh serve        scripts/bench_serve.py against `mpk serve --backend cuda`
+#   bash scripts/gpu_check.sh serve        mpk bench --serving (engine: 16 slots vs one request,
+#                                          outputs equal solo runs) on qwen3-0.6b and qwen3-8b, then
+#                                          scripts/bench_serve.py against `mpk serve --backend cuda`
 #                                          (SERVE_MODEL, default qwen3-8b; REQUESTS, default 200)
 # Tune with MODELS="qwen3-0.6b ..." BATCHES="1 8" TOKENS=200 PYTEST_ARGS=... BUDGET=540.
 # GGUF_PARTS: files whose concatenation is the SmolLM2 GGUF (a call carries at most 64 MiB, so
@@ -88,7 +90,11 @@ case $mode in
     step bench_tp2 150 python3 -m mpk bench --model qwen3-8b --tp 2 --new-tokens 100
     ;;
   serve)
-    step serve_bench 560 python3 scripts/bench_serve.py --num-requests "${REQUESTS:-200}" \
+    for model in qwen3-0.6b qwen3-8b; do
+      step "bench-serving-$model" 150 python3 -m mpk bench --serving --model "$model" \
+        --requests 48 --max-batch 16 --json
+    done
+    step serve_bench 300 python3 scripts/bench_serve.py --num-requests "${REQUESTS:-200}" \
       --launch "python3 -m mpk serve --backend cuda --model ${SERVE_MODEL:-qwen3-8b} \
       --max-batch 16 --port 0" --out "$OUT/bench-serve.json"
     ;;

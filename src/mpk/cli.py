@@ -89,6 +89,16 @@ def _add_backend_arg(p: argparse.ArgumentParser) -> None:
                         "(default: cuda when a GPU is visible, else cpu)")
 
 
+def _length_range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO:HI, e.g. 16:256, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"need 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with the CLI's error format: one line `mpk: error: ...` and exit 2 (argparse's
     own prints the usage first; the hint names the --help that shows it)."""
@@ -201,9 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend_arg(c)
     c.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     c.add_argument("--json", action="store_true", help="print the rows as one JSON object")
-    b = command("bench", "Time MPK against torch.compile on the same weights (needs a GPU).", (
+    b = command("bench", "Time MPK against torch.compile on the same weights (needs a GPU), or "
+                         "the serving engine under a seeded request trace (--serving).", (
         "  mpk bench --model qwen3-0.6b\n"
-        "  mpk bench --model llama-3.2-1b --batch 8 --new-tokens 100 --json"), _cmd_bench)
+        "  mpk bench --model llama-3.2-1b --batch 8 --new-tokens 100 --json\n"
+        "  mpk bench --serving --model qwen3-8b --requests 64 --max-batch 16"), _cmd_bench)
     _add_model_args(b)
     b.add_argument("--batch", type=_positive, default=1, metavar="B",
                    help="sequences decoded together (default: 1)")
@@ -214,6 +226,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MPK on G GPUs, tensor parallel, one process each (default: 1; the "
                         "baseline stays on one GPU; not run on GPUs yet)")
     b.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    s = b.add_argument_group("serving mode (--serving)")
+    s.add_argument("--serving", action="store_true",
+                   help="replay a seeded trace of greedy requests through the serving engine: "
+                        "each request alone, then all at their arrival times; throughput, TTFT, "
+                        "inter-token latency, and whether every output equals its solo run")
+    s.add_argument("--requests", type=_positive, default=32, metavar="N",
+                   help="requests in the trace (default: 32)")
+    s.add_argument("--rate", type=float, default=0.0, metavar="R",
+                   help="Poisson arrivals per second (default: 0, all at once)")
+    s.add_argument("--prompt-len", type=_length_range, default=(16, 256), metavar="LO:HI",
+                   help="prompt lengths, log-uniform (default: 16:256)")
+    s.add_argument("--output-len", type=_length_range, default=(16, 128), metavar="LO:HI",
+                   help="output lengths, log-uniform (default: 16:128)")
+    s.add_argument("--max-batch", type=_positive, default=16, metavar="B",
+                   help="serving slots: one compiled plan of B rows (default: 16)")
+    _add_backend_arg(s)
 
     pr = command("profile", "Profile one launch on the GPU: a Perfetto trace (one track per SM), "
                             "an SM x time picture and a per-kind table.", (
@@ -485,7 +513,9 @@ def _check_row(row: Any) -> dict[str, Any]:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from mpk.cli_gpu import bench
 
-    return bench(args)
+    if not args.serving and args.backend == "cpu":
+        raise MpkError("mpk bench times the CUDA megakernel; --backend cpu only with --serving")
+    return bench(args, _backend(args) if args.serving else None)
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:

@@ -22,10 +22,12 @@ def _gpu_source(args: argparse.Namespace, command: str) -> ModelSource:
     return ModelSource(cfg, args.checkpoint, args.seed)
 
 
-def bench(args: argparse.Namespace) -> int:
+def bench(args: argparse.Namespace, backend: str | None = None) -> int:
     from mpk.bench.job import BenchJob, run_bench_job
     from mpk.bench.runner import format_table
 
+    if args.serving:
+        return _bench_serving(args, backend or "cuda")
     job = BenchJob(_gpu_source(args, "bench"), args.batch, args.new_tokens)
     result = run_bench_job(job, args.tp)
     if args.json:
@@ -37,6 +39,34 @@ def bench(args: argparse.Namespace) -> int:
               f"{result['tokens_agree']}" + (f"; MPK on {args.tp} GPUs (tensor parallel), "
                                              f"torch.compile on 1" if args.tp > 1 else ""))
     return 0
+
+
+def _bench_serving(args: argparse.Namespace, backend: str) -> int:
+    from mpk.backends.registry import get_backend
+    from mpk.bench.serving import format_report, make_trace, positions_needed, run_serving_bench
+    from mpk.engine.engine import Engine, EngineConfig
+    from mpk.models import get_preset, load_config
+
+    if args.tp > 1:
+        from mpk.errors import UnsupportedError
+
+        raise UnsupportedError("mpk bench --serving runs on one GPU (--tp 1)")
+    cfg = load_config(args.checkpoint) if args.checkpoint else get_preset(args.model)
+    source = ModelSource(cfg, args.checkpoint, args.seed)
+    trace = make_trace(cfg.vocab_size, args.requests, args.prompt_len, args.output_len,
+                       args.rate, args.seed)
+    steps = EngineConfig().steps_per_launch
+    engine = Engine(cfg, source.load(get_backend(backend).device_type), backend=backend,
+                    max_seq_len=positions_needed(trace, steps), steps_per_launch=steps,
+                    progress=False if args.json else None)
+    result = {"model": cfg.name or args.checkpoint, "backend": backend,
+              **run_serving_bench(engine, trace, args.max_batch)}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for line in format_report(result):
+            print(line)
+    return 0 if result["outputs_equal_solo"] else 1
 
 
 def profile(args: argparse.Namespace) -> int:

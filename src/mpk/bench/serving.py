@@ -1,0 +1,152 @@
+"""`mpk bench --serving`: the serving engine under a seeded request trace.
+
+The trace (make_trace): `requests` greedy requests with log-uniform prompt and output lengths,
+random token ids, and Poisson arrival offsets at `rate` requests/s (rate 0: all at once), all
+drawn from one seed, so a run replays exactly.
+
+Over one started engine (one compiled plan of `max_batch` rows):
+  single      one request alone decoding RATE_LAUNCHES launches' worth of tokens: the
+              single-request decode rate (tokens after the first / time from the first token to
+              the last; a launch's tokens arrive together, so the rate needs several launches);
+  solo        each request alone (the other slots empty): its tokens;
+  concurrent  the trace replayed at its arrival times: per-request TTFT and inter-token gaps,
+              the total output tokens/s over the run, and whether every request's tokens equal
+              its solo run's (a row's arithmetic does not depend on the rows beside it, so they
+              must be identical, not merely close).
+The headline ratio is the concurrent output tokens/s over the single-request decode rate.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from mpk.engine.engine import Engine
+from mpk.engine.requests import RequestHandle, SamplingParams
+
+RATE_LAUNCHES = 8
+
+
+@dataclass(frozen=True)
+class Trace:
+    prompts: tuple[tuple[int, ...], ...]
+    max_tokens: tuple[int, ...]
+    arrivals_s: tuple[float, ...]  # offsets from the start of the run, non-decreasing
+
+
+def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
+    return min(hi, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))))
+
+
+def make_trace(vocab_size: int, requests: int, prompt_len: tuple[int, int],
+               output_len: tuple[int, int], rate: float, seed: int) -> Trace:
+    """A seeded trace (see the module doc); lengths are inclusive ranges, both >= 1."""
+    rng = random.Random(seed)
+    prompts, outputs, arrivals, t = [], [], [], 0.0
+    for _ in range(requests):
+        n = _log_uniform(rng, *prompt_len)
+        prompts.append(tuple(rng.randrange(vocab_size) for _ in range(n)))
+        outputs.append(_log_uniform(rng, *output_len))
+        arrivals.append(t)
+        t += rng.expovariate(rate) if rate > 0 else 0.0
+    return Trace(tuple(prompts), tuple(outputs), tuple(arrivals))
+
+
+def positions_needed(trace: Trace, steps_per_launch: int) -> int:
+    """The max_seq_len an engine needs for the trace and the single-request probe."""
+    probe = len(trace.prompts[0]) + RATE_LAUNCHES * steps_per_launch
+    return max(probe, *(len(p) + n for p, n in zip(trace.prompts, trace.max_tokens,
+                                                    strict=True)))
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50_ms": None, "p99_ms": None}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3, 3)
+
+    return {"p50_ms": at(0.50), "p99_ms": at(0.99)}
+
+
+def _decode_rate(handle: RequestHandle) -> float | None:
+    times = handle.result().stats.token_times
+    if len(times) < 2 or times[-1] <= times[0]:
+        return None
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def _solo(engine: Engine, trace: Trace) -> list[RequestHandle]:
+    handles = []
+    for prompt, max_tokens in zip(trace.prompts, trace.max_tokens, strict=True):
+        handle = engine.submit(list(prompt), SamplingParams(max_tokens=max_tokens))
+        handle.result()
+        handles.append(handle)
+    return handles
+
+
+def _concurrent(engine: Engine, trace: Trace) -> tuple[list[RequestHandle], float]:
+    start = time.perf_counter()
+    handles = []
+    for prompt, max_tokens, at in zip(trace.prompts, trace.max_tokens, trace.arrivals_s,
+                                      strict=True):
+        delay = start + at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        handles.append(engine.submit(list(prompt), SamplingParams(max_tokens=max_tokens)))
+    for handle in handles:
+        handle.result()
+    return handles, time.perf_counter() - start
+
+
+def run_serving_bench(engine: Engine, trace: Trace, max_batch: int) -> dict[str, Any]:
+    """Both passes over `engine` (started here with `max_batch` slots, stopped after)."""
+    engine.start(max_batch=max_batch)
+    try:
+        tokens = RATE_LAUNCHES * engine.options.steps_per_launch
+        single = _solo(engine, Trace(trace.prompts[:1], (tokens,), (0.0,)))[0]  # warms up too
+        solo = _solo(engine, trace)
+        concurrent, wall_s = _concurrent(engine, trace)
+    finally:
+        engine.stop()
+    tokens = sum(len(h.result().token_ids) for h in concurrent)
+    mismatched = [i for i, (a, b) in enumerate(zip(solo, concurrent, strict=True))
+                  if a.result().token_ids != b.result().token_ids]
+    stats = [h.result().stats for h in concurrent]
+    solo_rate = _decode_rate(single)
+    rate = tokens / wall_s if wall_s > 0 else None
+    return {
+        "requests": len(trace.prompts), "max_batch": max_batch,
+        "prompt_tokens": sum(map(len, trace.prompts)), "output_tokens": tokens,
+        "wall_s": round(wall_s, 3),
+        "output_tokens_per_s": None if rate is None else round(rate, 2),
+        "single_request_tokens_per_s": None if solo_rate is None else round(solo_rate, 2),
+        "speedup_over_single": (None if rate is None or not solo_rate
+                                else round(rate / solo_rate, 2)),
+        "ttft": _percentiles([s.ttft_s for s in stats if s.ttft_s is not None]),
+        "inter_token": _percentiles([g for s in stats for g in s.inter_token_s]),
+        "outputs_equal_solo": not mismatched, "mismatched_requests": mismatched,
+    }
+
+
+def format_report(result: dict[str, Any]) -> list[str]:
+    """Human-readable lines of a run_serving_bench result."""
+    ttft, itl = result["ttft"], result["inter_token"]
+    same = ("every request's tokens equal its solo run" if result["outputs_equal_solo"] else
+            f"{len(result['mismatched_requests'])} requests differ from their solo run: "
+            f"{result['mismatched_requests'][:8]}")
+    return [
+        f"{result['requests']} requests ({result['prompt_tokens']} prompt, "
+        f"{result['output_tokens']} output tokens) on {result['max_batch']} slots in "
+        f"{result['wall_s']:.2f} s",
+        f"output tokens/s: {result['output_tokens_per_s']} concurrent, "
+        f"{result['single_request_tokens_per_s']} decoding one request alone "
+        f"(x{result['speedup_over_single']})",
+        f"TTFT p50 {ttft['p50_ms']} ms, p99 {ttft['p99_ms']} ms; inter-token p50 "
+        f"{itl['p50_ms']} ms, p99 {itl['p99_ms']} ms",
+        same,
+    ]

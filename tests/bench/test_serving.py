@@ -1,0 +1,46 @@
+"""mpk bench --serving on the CPU interpreter: the trace is seeded, every request's tokens equal
+its solo run, and the report's numbers are consistent."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mpk.bench.serving import make_trace, positions_needed, run_serving_bench
+from mpk.cli import main
+from mpk.engine.engine import Engine
+from mpk.models import get_preset, random_weights
+
+
+def test_the_trace_is_seeded_and_in_range() -> None:
+    a = make_trace(100, 50, (2, 40), (3, 9), rate=5.0, seed=1)
+    assert a == make_trace(100, 50, (2, 40), (3, 9), rate=5.0, seed=1)
+    assert a != make_trace(100, 50, (2, 40), (3, 9), rate=5.0, seed=2)
+    assert all(2 <= len(p) <= 40 and max(p) < 100 for p in a.prompts)
+    assert all(3 <= n <= 9 for n in a.max_tokens)
+    assert list(a.arrivals_s) == sorted(a.arrivals_s) and a.arrivals_s[-1] > 0
+    assert set(make_trace(100, 5, (2, 4), (3, 3), rate=0.0, seed=1).arrivals_s) == {0.0}
+    assert positions_needed(a, 16) >= max(len(p) + n for p, n in zip(a.prompts, a.max_tokens))
+
+
+def test_concurrent_requests_equal_their_solo_runs() -> None:
+    cfg = get_preset("tiny-qwen3")
+    trace = make_trace(cfg.vocab_size, 7, (1, 12), (2, 10), rate=0.0, seed=3)
+    engine = Engine(cfg, random_weights(cfg, seed=0), backend="cpu", steps_per_launch=4,
+                    max_seq_len=positions_needed(trace, 4), progress=False)
+    result = run_serving_bench(engine, trace, max_batch=3)  # 7 requests on 3 slots: they queue
+    assert result["outputs_equal_solo"] and result["mismatched_requests"] == []
+    assert result["output_tokens"] == sum(trace.max_tokens)  # no EOS ids: full lengths
+    assert result["single_request_tokens_per_s"] > 0 and result["output_tokens_per_s"] > 0
+    assert result["ttft"]["p50_ms"] <= result["ttft"]["p99_ms"]
+
+
+def test_the_cli_serving_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "--serving", "--model", "tiny-llama", "--backend", "cpu",
+                 "--requests", "4", "--prompt-len", "2:6", "--output-len", "2:5", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["outputs_equal_solo"] and out["requests"] == 4
+    assert out["backend"] == "cpu" and out["max_batch"] == 16
+    code = main(["bench", "--model", "tiny-llama", "--backend", "cpu"])
+    assert code == 2 and "only with --serving" in capsys.readouterr().err
