@@ -9,17 +9,25 @@ import json
 from mpk.engine.job import ModelSource
 
 
+def _source(args: argparse.Namespace) -> ModelSource:
+    """The model of --model or --checkpoint (weights not loaded yet): a preset with real
+    weights (smollm2-135m) runs them, as in `mpk generate`, so its tokens mean something."""
+    from mpk.models.resolve import resolve_model
+
+    resolved = resolve_model(None if args.checkpoint else args.model, args.checkpoint,
+                             progress=False if args.json else None)
+    return ModelSource(resolved.cfg, resolved.checkpoint, args.seed)
+
+
 def _gpu_source(args: argparse.Namespace, command: str) -> ModelSource:
-    """The model of --model or --checkpoint (weights not loaded yet); GPU commands only."""
+    """_source, for the commands that need a GPU."""
     import torch
 
     from mpk.errors import UnsupportedError
-    from mpk.models import get_preset, load_config
 
     if not torch.cuda.is_available():
         raise UnsupportedError(f"mpk {command} needs a CUDA GPU (torch.cuda is unavailable here)")
-    cfg = load_config(args.checkpoint) if args.checkpoint else get_preset(args.model)
-    return ModelSource(cfg, args.checkpoint, args.seed)
+    return _source(args)
 
 
 def bench(args: argparse.Namespace, backend: str | None = None) -> int:
@@ -29,7 +37,7 @@ def bench(args: argparse.Namespace, backend: str | None = None) -> int:
     if args.serving:
         return _bench_serving(args, backend or "cuda")
     job = BenchJob(_gpu_source(args, "bench"), args.batch, args.new_tokens)
-    result = run_bench_job(job, args.tp)
+    result = {**run_bench_job(job, args.tp), "random_weights": job.source.checkpoint is None}
     if args.json:
         print(json.dumps(result, default=str))
     else:
@@ -45,21 +53,20 @@ def _bench_serving(args: argparse.Namespace, backend: str) -> int:
     from mpk.backends.registry import get_backend
     from mpk.bench.serving import format_report, make_trace, positions_needed, run_serving_bench
     from mpk.engine.engine import Engine, EngineConfig
-    from mpk.models import get_preset, load_config
-
     if args.tp > 1:
         from mpk.errors import UnsupportedError
 
         raise UnsupportedError("mpk bench --serving runs on one GPU (--tp 1)")
-    cfg = load_config(args.checkpoint) if args.checkpoint else get_preset(args.model)
-    source = ModelSource(cfg, args.checkpoint, args.seed)
+    source = _source(args)
+    cfg = source.cfg
     trace = make_trace(cfg.vocab_size, args.requests, args.prompt_len, args.output_len,
                        args.rate, args.seed)
     steps = EngineConfig().steps_per_launch
     engine = Engine(cfg, source.load(get_backend(backend).device_type), backend=backend,
                     max_seq_len=positions_needed(trace, steps), steps_per_launch=steps,
                     progress=False if args.json else None)
-    result = {"model": cfg.name or args.checkpoint, "backend": backend,
+    result = {"model": args.checkpoint or args.model, "backend": backend,
+              "random_weights": source.checkpoint is None,
               **run_serving_bench(engine, trace, args.max_batch)}
     if args.json:
         print(json.dumps(result))
