@@ -2,7 +2,7 @@
 # One device call per mode (each fits the 10-minute limit), logs under $OUT (default ./out).
 #   bash scripts/gpu_check.sh correctness  runtime, kernel and model GPU tests, generate, memcheck
 #   bash scripts/gpu_check.sh real         SmolLM2-135M on CUDA against transformers (GGUF: see
-#                                          GGUF_PARTS below), and `mpk generate` on it
+#                                          GGUF_PARTS below), `mpk generate` and `mpk bench` on it
 #   bash scripts/gpu_check.sh perf         mpk bench (MODELS x BATCHES) and mpk profile
 #   bash scripts/gpu_check.sh tp           tensor parallelism (needs >= 2 GPUs: nvidia-h200-x2+)
 #   bash scripts/gpu_check.sh serve        mpk bench --serving (engine: 16 slots vs one request,
@@ -71,6 +71,7 @@ case $mode in
     step real_model 300 $PYTEST --timeout 280 tests/models/test_smollm2.py -k cuda
     step generate_real 90 python3 -m mpk generate --model smollm2-135m --backend cuda \
       --prompt "The capital of France is"
+    step bench_real 150 python3 -m mpk bench --model smollm2-135m --new-tokens 100
     ;;
   perf)
     for model in ${MODELS:-qwen3-0.6b llama-3.2-1b}; do
