@@ -4,6 +4,8 @@
 #   bash scripts/gpu_check.sh real         SmolLM2-135M on CUDA against transformers (GGUF: see
 #                                          GGUF_PARTS below), `mpk generate` and `mpk bench` on it
 #   bash scripts/gpu_check.sh perf         mpk bench (MODELS x BATCHES) and mpk profile
+#   bash scripts/gpu_check.sh probe        scripts/probe_stream.py: the weight-page pipeline alone
+#                                          (GB/s per SM by page count, page size, L2 vs HBM, ...)
 #   bash scripts/gpu_check.sh tp           tensor parallelism (needs >= 2 GPUs: nvidia-h200-x2+)
 #   bash scripts/gpu_check.sh serve        mpk bench --serving (engine: 16 slots vs one request,
 #                                          outputs equal solo runs) on qwen3-0.6b and qwen3-8b, then
@@ -83,6 +85,9 @@ case $mode in
     [ -n "${PROFILE_MODEL:-qwen3-0.6b}" ] && step profile 150 python3 -m mpk profile \
       --model "${PROFILE_MODEL:-qwen3-0.6b}" --out "$OUT/profile"
     ;;
+  probe)
+    step probe_stream 500 python3 scripts/probe_stream.py --json
+    ;;
   tp)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     step tp_tests 300 $PYTEST --timeout 300 tests/gpu/test_tp_gpu.py tests/parallel
@@ -99,6 +104,6 @@ case $mode in
       --launch "python3 -m mpk serve --backend cuda --model ${SERVE_MODEL:-qwen3-8b} \
       --max-batch 16 --port 0" --out "$OUT/bench-serve.json"
     ;;
-  *) echo "unknown mode $mode (use correctness, real, perf, tp or serve)"; exit 2 ;;
+  *) echo "unknown mode $mode (use correctness, real, perf, probe, tp or serve)"; exit 2 ;;
 esac
 exit $status

@@ -1,0 +1,33 @@
+"""scripts/probe_stream.py (a GPU probe) keeps compiling: its dry run builds every
+configuration's plan and kernel source with the patched page constants, and restores them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from mpk.backends.cuda import codegen
+from mpk.tasks import base
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "probe_stream.py"
+
+
+def test_the_probe_dry_run_renders_every_configuration() -> None:
+    done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 8 and "32 KB pages: 132 tasks, 5 pages" in done.stdout
+
+
+def test_the_page_patch_is_undone() -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import probe_stream
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    before = (base.PAGE_BYTES, codegen.PAGE_BYTES, codegen.MAX_PAGES)
+    with probe_stream.page_config(32 * 1024, 5):
+        assert (base.PAGE_BYTES, codegen.MAX_PAGES) == (32 * 1024, 5)
+    assert (base.PAGE_BYTES, codegen.PAGE_BYTES, codegen.MAX_PAGES) == before
