@@ -27,6 +27,12 @@ def nvcc_path() -> str:
     return "nvcc"
 
 
+def api_key() -> str | None:
+    """MPK_API_KEY: the key `mpk serve` requires when --api-key is not given (a key on the
+    command line shows in `ps`; one in the environment does not). Unset or empty: no key."""
+    return os.environ.get("MPK_API_KEY") or None
+
+
 def watchdog_seconds() -> float:
     """MPK_WATCHDOG_S: how long one wait inside the megakernel may spin before it aborts (default 5)."""
     return float(os.environ.get("MPK_WATCHDOG_S", "5"))

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from mpk import env
+
 DEFAULT_HOST = "127.0.0.1"  # loopback: exposing a server is a decision the user makes (--host)
 DEFAULT_PORT = 8000
 DEFAULT_MAX_BATCH = 8
@@ -70,7 +72,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "or 4 on the CPU interpreter)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1 requests (401 otherwise); "
-                        "/health and /metrics stay open")
+                        "/health and /metrics stay open (default: $MPK_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model id clients send (default: the preset name, else the "
                         "checkpoint's name)")
@@ -84,5 +86,6 @@ def options_from_args(args: argparse.Namespace, backend: str) -> ServeOptions:
                         checkpoint=args.checkpoint, backend=backend, host=args.host,
                         port=args.port, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                         steps_per_launch=args.steps_per_launch, num_sms=args.num_sms,
-                        api_key=args.api_key, served_model_name=args.served_model_name,
+                        api_key=args.api_key or env.api_key(),
+                        served_model_name=args.served_model_name,
                         weights_seed=args.weights_seed)
