@@ -341,3 +341,33 @@ class FullModelExecutor:
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """The raw bytes of `t` (so NaN == NaN, -0.0 != 0.0: bit-identical means identical)."""
     return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+# ---- mixture of experts ----------------------------------------------------------------------
+import dataclasses  # (this section was appended; the imports above are shared)
+
+from mpk.models.config import ModelConfig, get_preset
+
+
+def moe_top3_config() -> ModelConfig:
+    """The second tiny MoE test model (tiny-qwen3-moe is the first: 6 experts, top-2,
+    renormalised, layer 1 dense): 10 experts, top-3 WITHOUT renormalisation, a 24-wide expert,
+    layer 0 dense (mlp_only_layers)."""
+    return dataclasses.replace(get_preset("tiny-qwen3-moe"), name="tiny-qwen3-moe-top3",
+                               num_experts=10, num_experts_per_tok=3, norm_topk_prob=False,
+                               moe_intermediate_size=24, mlp_only_layers=(0,))
+
+
+def routing_margins(router_logits: Sequence[torch.Tensor], top_k: int) -> torch.Tensor:
+    """For every routing decision (one per MoE layer and token, from transformers'
+    `output_router_logits`), the gap between the last chosen expert's logit and the best
+    unchosen one, in units of that row's logit std. A decision closer than the bf16 noise of
+    two correct implementations may legitimately go either way (like a greedy near-tie)."""
+    gaps = []
+    for logits in router_logits:
+        s = logits.float().sort(dim=-1, descending=True).values
+        if top_k >= s.shape[-1]:
+            gaps.append(torch.full((s.shape[0],), float("inf")))
+        else:
+            gaps.append((s[:, top_k - 1] - s[:, top_k]) / s.std(dim=-1))
+    return torch.cat(gaps)

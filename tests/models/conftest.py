@@ -11,11 +11,34 @@ from mpk.models.config import ModelConfig
 from mpk.models.weights import random_weights
 
 
+_HF_CLASSES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+               "llama": ("LlamaConfig", "LlamaForCausalLM"),
+               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+
+
 def hf_config(cfg: ModelConfig) -> Any:
-    """transformers' Qwen3Config / LlamaConfig for cfg (eager attention, no eos/pad)."""
+    """transformers' Qwen3Config / LlamaConfig / Qwen3MoeConfig for cfg (eager attention, no
+    eos/pad)."""
     transformers = pytest.importorskip("transformers")
-    cls = transformers.Qwen3Config if cfg.arch == "qwen3" else transformers.LlamaConfig
+    cls = getattr(transformers, _HF_CLASSES[cfg.arch][0])
     return cls(**cfg.to_hf(), attn_implementation="eager")
+
+
+def hf_state_dict(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our HF-checkpoint-named weights as transformers' modules hold them: its Qwen3-MoE keeps
+    each layer's experts fused (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I])
+    and converts from / to the per-expert checkpoint names in from_pretrained / save_pretrained."""
+    out = dict(weights)
+    for layer in range(cfg.num_layers):
+        if not cfg.is_moe_layer(layer):
+            continue
+        p = f"model.layers.{layer}.mlp.experts."
+        parts = {kind: [out.pop(f"{p}{e}.{kind}_proj.weight") for e in range(cfg.num_experts)]
+                 for kind in ("gate", "up", "down")}
+        out[p + "gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in
+                                               zip(parts["gate"], parts["up"])])
+        out[p + "down_proj"] = torch.stack(parts["down"])
+    return out
 
 
 def hf_model(cfg: ModelConfig, seed: int) -> Any:
@@ -24,12 +47,11 @@ def hf_model(cfg: ModelConfig, seed: int) -> Any:
     Loading our weights (rather than HF's std-0.02 init) gives O(1) activations, which makes
     the comparison sharper, and checks that our tensor names are exactly HF's."""
     transformers = pytest.importorskip("transformers")
-    cls = (transformers.Qwen3ForCausalLM if cfg.arch == "qwen3"
-           else transformers.LlamaForCausalLM)
+    cls = getattr(transformers, _HF_CLASSES[cfg.arch][1])
     torch.manual_seed(seed)
     model = cls(hf_config(cfg)).to(torch.bfloat16).eval()
     weights = random_weights(cfg, seed)
-    result = model.load_state_dict(weights, strict=False)
+    result = model.load_state_dict(hf_state_dict(cfg, weights), strict=False)
     allowed_missing = {"lm_head.weight"} if cfg.tie_embeddings else set()
     assert set(result.missing_keys) <= allowed_missing, result.missing_keys
     assert not result.unexpected_keys, result.unexpected_keys

@@ -31,10 +31,18 @@ def test_weight_names_and_shapes() -> None:
     assert l8["lm_head.weight"] == (128256, 4096)
     assert l8["model.layers.31.mlp.down_proj.weight"] == (4096, 14336)
     assert not any("q_norm" in n for n in l8)
-    for name in ("qwen3-8b", "llama-3.1-8b", "tiny-qwen3"):
+    for name in ("qwen3-8b", "llama-3.1-8b", "tiny-qwen3", "qwen3-30b-a3b", "tiny-qwen3-moe"):
         cfg = get_preset(name)
         shapes = hf_weight_shapes(cfg)
         assert sum(torch.Size(s).numel() for s in shapes.values()) == cfg.num_params
+    moe = hf_weight_shapes(get_preset("qwen3-30b-a3b"))
+    assert moe["model.layers.47.mlp.gate.weight"] == (128, 2048)
+    assert moe["model.layers.0.mlp.experts.127.gate_proj.weight"] == (768, 2048)
+    assert moe["model.layers.0.mlp.experts.5.down_proj.weight"] == (2048, 768)
+    assert not any(".mlp.gate_proj" in n for n in moe)
+    tiny = hf_weight_shapes(get_preset("tiny-qwen3-moe"))  # layer 1 is in mlp_only_layers
+    assert tiny["model.layers.1.mlp.gate_proj.weight"] == (96, 64)
+    assert "model.layers.1.mlp.gate.weight" not in tiny
 
 
 def test_random_weights_deterministic_and_sane() -> None:
@@ -49,7 +57,7 @@ def test_random_weights_deterministic_and_sane() -> None:
     assert abs(norm.mean().item() - 1) < 0.05 and 0.05 < norm.std().item() < 0.15
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama"])
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama", "tiny-qwen3-moe"])
 @pytest.mark.parametrize("sharded", [False, True])
 def test_load_transformers_checkpoint(tmp_path, name: str, sharded: bool,
                                      make_hf_model) -> None:
@@ -63,9 +71,10 @@ def test_load_transformers_checkpoint(tmp_path, name: str, sharded: bool,
     _assert_same(weights, random_weights(cfg, 3))
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-moe"])
 @pytest.mark.parametrize("shard", [None, 20_000])
-def test_save_checkpoint_round_trip(tmp_path, shard: int | None) -> None:
-    cfg = get_preset("tiny-qwen3")
+def test_save_checkpoint_round_trip(tmp_path, shard: int | None, name: str) -> None:
+    cfg = get_preset(name)
     w = random_weights(cfg, 0)
     save_checkpoint(tmp_path, cfg, w, max_shard_bytes=shard)
     loaded_cfg, loaded = load_checkpoint(tmp_path)

@@ -1,4 +1,4 @@
-"""A plain PyTorch reference model of each supported architecture (Qwen3, Llama 3).
+"""A plain PyTorch reference model of each supported architecture (Qwen3, Llama 3, Qwen3-MoE).
 
 This is the first correctness gate: it is checked against Hugging Face transformers and then
 serves as the oracle for the interpreter and the GPU. It is written from the architecture
@@ -15,6 +15,15 @@ nothing is rounded. hf_exact=True (bf16 only) adds the remaining roundings of tr
 bf16 path (bf16 cos/sin, each RoPE product, scores, scaled scores, probabilities, bf16 logits)
 and runs every matmul through torch's bf16 kernels as HF does, so that not even summation order
 differs: the tests use it to show every other rounding point matches Hugging Face bit for bit.
+
+Mixture-of-experts layers (Qwen3-MoE) follow transformers' Qwen3MoeSparseMoeBlock with its default
+experts implementation (grouped_mm): router logits = the (bf16-rounded) gate linear of the normed
+hidden state; softmax over ALL experts in fp32; the top num_experts_per_tok probabilities (ties to
+the lower expert id; torch.topk, which HF calls, leaves tie order unspecified, so hf_exact uses
+torch.topk itself); divided by their sum when norm_topk_prob; rounded to bf16. Each chosen
+expert's SwiGLU output (rounded like the dense MLP) is multiplied by its weight (rounded), the
+products are summed over the chosen experts in fp32 and rounded once (HF's
+`weighted.view(tokens, top_k, hidden).sum(dim=1)`), then added to the residual.
 """
 
 from __future__ import annotations
@@ -127,11 +136,43 @@ class ReferenceModel:
         return self._linear(out, p + "o_proj.weight")
 
     def _mlp(self, h: torch.Tensor, layer: int) -> torch.Tensor:
-        p = f"model.layers.{layer}.mlp."
+        if self.cfg.is_moe_layer(layer):
+            return self._moe(h, layer)
+        return self._swiglu(h, f"model.layers.{layer}.mlp.")
+
+    def _swiglu(self, h: torch.Tensor, p: str) -> torch.Tensor:
         gate = self._linear(h, p + "gate_proj.weight")
         up = self._linear(h, p + "up_proj.weight")
         act = self._round(self._round(torch.nn.functional.silu(gate)) * up)
         return self._linear(act, p + "down_proj.weight")
+
+    def route(self, h: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [N, k] int64, weights [N, k] fp32 holding bf16 values in bf16 mode) of the
+        normed rows h [N, H] in MoE layer `layer`, best first (see the module docstring)."""
+        cfg = self.cfg
+        logits = self._linear(h, f"model.layers.{layer}.mlp.gate.weight")
+        probs = torch.softmax(logits.float(), dim=-1)
+        if self.hf_exact:
+            top, ids = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
+        else:  # a stable descending sort keeps equal probabilities in expert order
+            top, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+            top, ids = top[:, :cfg.num_experts_per_tok], ids[:, :cfg.num_experts_per_tok]
+        if cfg.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return ids, self._round(top)
+
+    def _moe(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        shape = h.shape
+        rows = h.reshape(-1, shape[-1])
+        ids, weights = self.route(rows, layer)
+        weighted = torch.zeros(*ids.shape, shape[-1], device=h.device)  # [N, k, H]
+        for e in ids.unique().tolist():
+            n, slot = torch.nonzero(ids == e, as_tuple=True)
+            out = self._swiglu(rows[n], f"model.layers.{layer}.mlp.experts.{e}.")
+            weighted[n, slot] = self._round(out * weights[n, slot, None])
+        if self.hf_exact:  # HF sums the bf16 products with torch's bf16 reduction
+            return weighted.to(torch.bfloat16).sum(dim=1).float().reshape(shape)
+        return self._round(weighted.sum(dim=1)).reshape(shape)
 
     # -- public API --------------------------------------------------------------------------
 

@@ -27,7 +27,10 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """{Hugging Face tensor name: shape} for every weight the model uses, in layer order.
 
-    lm_head.weight appears only when the embeddings are untied; q/k norms only for Qwen3."""
+    lm_head.weight appears only when the embeddings are untied; q/k norms only for Qwen3 (and
+    Qwen3-MoE). A MoE layer has the router `mlp.gate.weight` [E, H] and each expert's
+    `mlp.experts.{e}.{gate,up,down}_proj.weight` (the names checkpoints and transformers'
+    save_pretrained use) instead of the dense MLP."""
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
@@ -42,12 +45,25 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if cfg.is_moe_layer(i):
+            shapes.update(_expert_shapes(cfg, p + "mlp."))
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (inter, h)
         shapes[p + "mlp.up_proj.weight"] = (inter, h)
         shapes[p + "mlp.down_proj.weight"] = (h, inter)
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def _expert_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {p + "gate.weight": (cfg.num_experts, h)}
+    for e in range(cfg.num_experts):
+        shapes[p + f"experts.{e}.gate_proj.weight"] = (inter, h)
+        shapes[p + f"experts.{e}.up_proj.weight"] = (inter, h)
+        shapes[p + f"experts.{e}.down_proj.weight"] = (h, inter)
     return shapes
 
 
@@ -63,9 +79,11 @@ def random_weights(cfg: ModelConfig, seed: int,
     ~ 1 + 0.1 N(0, 1) (near the identity but not trivially so). Each tensor is drawn from its
     own generator seeded by (seed, name) on `device`, so the result does not depend on the
     order of generation (values differ between CPU and CUDA for the same seed) and 8B models
-    generate in seconds on a GPU."""
+    generate in seconds on a GPU. MoE experts are views into one stacked buffer per layer and
+    projection (_expert_views)."""
     device = torch.device(device)
     gen = torch.Generator(device=device)
+    slots = _expert_views(cfg, device)
     out: dict[str, torch.Tensor] = {}
     for name, shape in hf_weight_shapes(cfg).items():
         gen.manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63))
@@ -74,8 +92,30 @@ def random_weights(cfg: ModelConfig, seed: int,
             t.mul_(0.1).add_(1.0)
         else:
             t.mul_(1.0 / math.sqrt(shape[1]))
+        if name in slots:
+            t = slots[name].copy_(t)
         out[name] = t
     return out
+
+
+def _expert_views(cfg: ModelConfig, device: torch.device) -> dict[str, torch.Tensor]:
+    """{HF name of an expert weight: its view} into two buffers per MoE layer, laid out as the
+    graph stacks them (models/moe.py): [E, 2, I, H] (each expert's gate then up projection) and
+    [E, H, I] (the down projections). graph_weights then takes the buffers as they are instead
+    of stacking a second copy: qwen3-30b-a3b's 61 GB fit one H200 once, not twice."""
+    h, inter, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    views: dict[str, torch.Tensor] = {}
+    for layer in range(cfg.num_layers):
+        if not cfg.is_moe_layer(layer):
+            continue
+        p = f"model.layers.{layer}.mlp.experts."
+        gate_up = torch.empty((n, 2, inter, h), device=device, dtype=torch.bfloat16)
+        down = torch.empty((n, h, inter), device=device, dtype=torch.bfloat16)
+        for e in range(n):
+            views[f"{p}{e}.gate_proj.weight"] = gate_up[e, 0]
+            views[f"{p}{e}.up_proj.weight"] = gate_up[e, 1]
+            views[f"{p}{e}.down_proj.weight"] = down[e]
+    return views
 
 
 def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], where: str = "") -> None:
@@ -194,6 +234,12 @@ def _shard_files(path: Path) -> list[Path]:
                           f"model.safetensors.index.json (found: {found})")
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy when t is a view into a larger buffer (random_weights' experts):
+    safetensors refuses to save tensors that share memory."""
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
 def save_checkpoint(path: str | Path, cfg: ModelConfig, weights: dict[str, torch.Tensor],
                     max_shard_bytes: int | None = None) -> None:
     """Write config.json and model.safetensors (or shards + index when max_shard_bytes is set)
@@ -205,7 +251,7 @@ def save_checkpoint(path: str | Path, cfg: ModelConfig, weights: dict[str, torch
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
+    tensors = {k: _own_storage(v.detach().to("cpu").contiguous()) for k, v in weights.items()}
     if max_shard_bytes is None:
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
         return
