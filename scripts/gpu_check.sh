@@ -5,7 +5,8 @@
 #                                          GGUF_PARTS below), `mpk generate` and `mpk bench` on it
 #   bash scripts/gpu_check.sh perf         mpk bench (MODELS x BATCHES) and mpk profile
 #   bash scripts/gpu_check.sh probe        scripts/probe_stream.py: the weight-page pipeline alone
-#                                          (GB/s per SM by page count, page size, L2 vs HBM, ...)
+#                                          (GB/s per SM by page count, page size, L2 vs HBM, ...),
+#                                          then probe_phases.py (a linear task's phases, ablations)
 #   bash scripts/gpu_check.sh tp           tensor parallelism (needs >= 2 GPUs: nvidia-h200-x2+)
 #   bash scripts/gpu_check.sh serve        mpk bench --serving (engine: 16 slots vs one request,
 #                                          outputs equal solo runs) on qwen3-0.6b and qwen3-8b, then
@@ -28,9 +29,11 @@ START=$(date +%s); BUDGET=${BUDGET:-540}
 if [ -n "${GGUF_STASH:-}" ]; then cp "$GGUF_STASH" /tmp/gguf.stash; fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
   || { cat "$OUT/install.log"; exit 1; }
-if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels the GPU image lacks (gguf)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-    >>"$OUT/install.log" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels the GPU image lacks (gguf, server stack)
+  # Resolved against what the image has: only missing packages are installed, none shadowed.
+  python3 -m pip install -q --no-index --find-links .whl --no-compile \
+    $(ls .whl | sed -n 's/^\(gguf\|fastapi\|uvicorn\|prometheus_client\|openai\)-.*/\1/p') \
+    >>"$OUT/install.log" 2>&1 || echo "wheel install failed: see install.log"
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader | tee "$OUT/env.log"
 status=0
@@ -86,7 +89,8 @@ case $mode in
       --model "${PROFILE_MODEL:-qwen3-0.6b}" --out "$OUT/profile"
     ;;
   probe)
-    step probe_stream 500 python3 scripts/probe_stream.py --json
+    step probe_stream 200 python3 scripts/probe_stream.py --json
+    step probe_phases 300 python3 scripts/probe_phases.py --json
     ;;
   tp)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

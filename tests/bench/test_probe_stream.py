@@ -31,3 +31,16 @@ def test_the_page_patch_is_undone() -> None:
     with probe_stream.page_config(32 * 1024, 5):
         assert (base.PAGE_BYTES, codegen.MAX_PAGES) == (32 * 1024, 5)
     assert (base.PAGE_BYTES, codegen.PAGE_BYTES, codegen.MAX_PAGES) == before
+
+
+PHASES_SCRIPT = SCRIPT.parent / "probe_phases.py"
+
+
+def test_every_phase_probe_patch_still_applies() -> None:
+    """probe_phases.py patches the linear kind and runtime headers by anchor text: a kernel edit
+    that moves an anchor must fail here, not on the GPU. (Its nvcc builds are checked by hand.)"""
+    done = subprocess.run([sys.executable, str(PHASES_SCRIPT), "--dry-run"], capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "loader: ['launch.cuh', 'params.cuh', 'ptx.cuh', 'runtime.cuh'" in done.stdout
+    assert len(done.stdout.strip().splitlines()) == 14
