@@ -215,29 +215,73 @@ struct Acc {
   float c[4], d[4];  // batch rows 2t, 2t+1 (c) and 8+2t, 9+2t (d)
 };
 
-// Accumulate this warp's units of a block: task-local units [u0, u0 + nb*nk).
+// Units of one page a warp takes (its units are kWarps apart), and its accumulator chains.
+constexpr int kWarpUnitsPerPage = kPageUnits / kWarps;
+constexpr int kChains = 2;  // `acc` and one more
+static_assert(kPageUnits % kWarps == 0, "a page holds whole rounds of the warps' units");
+static_assert(kWarpUnitsPerPage % kChains == 0, "units alternate between the chains");
+
+__device__ __forceinline__ void mma_unit(float* c, const uint4& w, const uint4& x) {
+  dev::mma_bf16_16816(c, w.x, w.x, w.y, w.y, x.x, x.y);
+  dev::mma_bf16_16816(c, w.z, w.z, w.w, w.w, x.z, x.w);
+}
+
+// This warp's units of one page (units u, u + kWarps, ... below stop), alternating between two
+// accumulator chains. kWhole: all kWarpUnitsPerPage of them, with no per-unit bounds, so the
+// unit loads can run ahead of the MMAs.
+template <bool kWhole>
+__device__ __forceinline__ void page_units(uint32_t pg, int u, int stop, unsigned x, unsigned x2,
+                                           unsigned xstep, bool two, Acc& acc, Acc& extra) {
+#pragma unroll
+  for (int j = 0; j < kWarpUnitsPerPage; ++j) {
+    const int uj = u + j * kWarps;
+    if (kWhole || uj < stop) {
+      Acc& chain = (j & 1) ? extra : acc;
+      const uint4 w = dev::lds_v4(pg + (uj % kPageUnits) * kUnitBytes);
+      mma_unit(chain.c, w, dev::lds_v4(x + j * xstep));
+      if (two) mma_unit(chain.d, w, dev::lds_v4(x2 + j * xstep));
+    }
+  }
+}
+
+// Accumulate this warp's units of a block: task-local units [u0, u0 + nb*nk). Page by page: one
+// wait per page, the page's loads (up to kWarpUnitsPerPage units) issued together, and each of
+// the units alternate between kChains accumulators, summed at the end. (One accumulator and a wait, loads
+// and an index division per unit made every unit a ~300-cycle dependent chain: consumers read
+// ~25 GB/s per SM from resident pages, below an SM's HBM share; scripts/probe_phases.py.)
 __device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::PageCursor& pc,
                                           int pbase, int u0, int nb, int nk, Acc& acc) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, tq = lane & 3;
   const int first = u0 + (((warp - u0) % kWarps) + kWarps) % kWarps;
   const int end = u0 + nb * nk;
-  const unsigned xrow = dev::smem_addr(s.xs + min(g, t.B - 1) * s.XS + tq * 8);
-  const unsigned xrow2 = dev::smem_addr(s.xs + min(g + 8, t.B - 1) * s.XS + tq * 8);
+  // A warp's units are kWarps apart: k groups kWarps / nb apart (nb divides kWarps).
+  const unsigned xstep = (unsigned)(kWarps / nb) * (kUnitK * 2);
+  const unsigned kg0 = (unsigned)((first - u0) / nb) * (kUnitK * 2);  // first unit's k group
+  const unsigned xrow = dev::smem_addr(s.xs + min(g, t.B - 1) * s.XS + tq * 8) + kg0;
+  const unsigned xrow2 = dev::smem_addr(s.xs + min(g + 8, t.B - 1) * s.XS + tq * 8) + kg0;
   const bool two = t.B > 8;
-#pragma unroll 2
-  for (int u = first; u < end; u += kWarps) {
-    const int kg = (u - u0) / nb;
-    const uint32_t page = pc.at(pbase + u / kPageUnits);
-    const uint4 w = dev::lds_v4(page + (u % kPageUnits) * kUnitBytes + lane * 16);
-    const uint4 xb = dev::lds_v4(xrow + kg * (kUnitK * 2));
-    dev::mma_bf16_16816(acc.c, w.x, w.x, w.y, w.y, xb.x, xb.y);
-    dev::mma_bf16_16816(acc.c, w.z, w.z, w.w, w.w, xb.z, xb.w);
-    if (two) {
-      const uint4 xc = dev::lds_v4(xrow2 + kg * (kUnitK * 2));
-      dev::mma_bf16_16816(acc.d, w.x, w.x, w.y, w.y, xc.x, xc.y);
-      dev::mma_bf16_16816(acc.d, w.z, w.z, w.w, w.w, xc.z, xc.w);
-    }
+  Acc extra;  // chain 1; chain 0 accumulates in `acc` (zero on entry)
+#pragma unroll
+  for (int e = 0; e < 4; ++e) extra.c[e] = extra.d[e] = 0.f;
+  unsigned xo = 0;  // byte offset of unit u's k group in the staged rows
+#pragma unroll 1
+  for (int u = first; u < end;) {
+    const int page = u / kPageUnits;
+    const int stop = min(end, (page + 1) * kPageUnits);
+    const uint32_t pg = pc.at(pbase + page) + lane * 16;
+    if (u + (kWarpUnitsPerPage - 1) * kWarps < stop)  // the warp's whole round of this page
+      page_units<true>(pg, u, stop, xrow + xo, xrow2 + xo, xstep, two, acc, extra);
+    else
+      page_units<false>(pg, u, stop, xrow + xo, xrow2 + xo, xstep, two, acc, extra);
+    const int taken = (stop - u + kWarps - 1) / kWarps;
+    u += taken * kWarps;
+    xo += taken * xstep;
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    acc.c[e] += extra.c[e];
+    acc.d[e] += extra.d[e];
   }
 }
 
