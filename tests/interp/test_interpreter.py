@@ -20,7 +20,7 @@ SEED = 20261201  # fixed: CI is deterministic (vary it by hand to sweep)
 SHAPE = DecodeShape(batch=3, steps_per_launch=4, page_size=4, max_pages=8, num_pages=32)
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-llama"])
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-llama", "tiny-qwen3-moe"])
 @pytest.mark.parametrize("order", ["schedule", "random", "free"])
 def test_tokens_match_reference(preset: str, order: str) -> None:
     cfg = get_preset(preset)

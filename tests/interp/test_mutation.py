@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
 
 from mpk.compiler import record
@@ -55,8 +56,11 @@ def _drop_wait(plan: Plan, sm: int, index: int, w: int) -> Plan:
     return dataclasses.replace(plan, instrs=instrs)
 
 
-def test_dropping_any_wait_is_detected() -> None:
-    cfg = get_preset("tiny-qwen3")
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-moe"])
+def test_dropping_any_wait_is_detected(preset: str) -> None:
+    """tiny-qwen3-moe adds the MoE kinds' waits (router -> experts' gate_up -> experts' down,
+    whose ids and weights come from the router) and a dense layer between MoE layers."""
+    cfg = get_preset(preset)
     seed = 7919  # fixed: CI is deterministic
     weights = random_weights(cfg, seed=seed)
     plan = make_plan(cfg, SHAPE, num_sms=8)

@@ -5,7 +5,8 @@ into the prologue of the linears that read it. Epilogues are part of the linear 
 ends in silu*mul, lm_head in a per-task argmax, o_proj and down add the residual; attention
 prepares q and k (norms, RoPE) and appends to the KV cache itself. So a layer runs in five
 dependent phases: qkv, attention, o_proj, gate_up, down. Each linear is cut into one task per
-SM (contiguous row ranges, linear/geometry.py).
+SM (contiguous row ranges, linear/geometry.py). A mixture-of-experts layer's MLP
+(cfg.is_moe_layer) is models/moe.py's router, experts' gate_up and experts' down instead.
 
 Weights use graph names; `graph_weights` turns Hugging Face tensors into them (fused QKV grouped
 per KV head, stacked gate/up, the RoPE table).
@@ -27,6 +28,7 @@ from mpk.errors import UnsupportedError
 from mpk.graph.graph import DEFAULT_NUM_SMS, Graph
 from mpk.models import decode_io as io
 from mpk.models.config import ModelConfig
+from mpk.models.moe import check_no_tp, moe_block, moe_weights
 from mpk.models.rope import rope_table
 from mpk.tasks.linear.task import MAX_BATCH
 from mpk.tensors import Role
@@ -87,6 +89,7 @@ def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = DEFAULT_NUM
     layers = range(cfg.num_layers) if layers is None else layers
     if tp is not None:
         tp.check(cfg)
+        check_no_tp(cfg)
     g = Graph()
     b, h, d = shape.batch, cfg.hidden_size, cfg.head_dim
     g.add_tensor(io.PROMPT, (shape.steps_per_launch, b), I32, Role.IO)
@@ -102,7 +105,10 @@ def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = DEFAULT_NUM
              {"tokens": io.TOKENS, "prompt": io.PROMPT, "table": "embed", "out": "hidden"})
     for layer in layers:
         _attention_block(g, cfg, shape, num_sms, layer, tp)
-        _mlp_block(g, cfg, shape, num_sms, layer, tp)
+        if cfg.is_moe_layer(layer):
+            moe_block(g, cfg, shape.batch, num_sms, layer)
+        else:
+            _mlp_block(g, cfg, shape, num_sms, layer, tp)
     _lm_head(g, cfg, shape, num_sms)
     return g
 
@@ -243,13 +249,17 @@ def graph_weights(cfg: ModelConfig, hf: dict[str, torch.Tensor], max_pos: int,
         out[dst + "o_weight"] = hf[src + "self_attn.o_proj.weight"]
         out[dst + "input_norm"] = hf[src + "input_layernorm.weight"]
         out[dst + "post_norm"] = hf[src + "post_attention_layernorm.weight"]
-        out[dst + "gate_up_weight"] = torch.stack([hf[src + "mlp.gate_proj.weight"],
-                                                   hf[src + "mlp.up_proj.weight"]])
-        out[dst + "down_weight"] = hf[src + "mlp.down_proj.weight"]
+        if cfg.is_moe_layer(layer):
+            out.update(moe_weights(cfg, hf, layer))
+        else:
+            out[dst + "gate_up_weight"] = torch.stack([hf[src + "mlp.gate_proj.weight"],
+                                                       hf[src + "mlp.up_proj.weight"]])
+            out[dst + "down_weight"] = hf[src + "mlp.down_proj.weight"]
         if cfg.qk_norm:
             out[dst + "q_norm"] = hf[src + "self_attn.q_norm.weight"]
             out[dst + "k_norm"] = hf[src + "self_attn.k_norm.weight"]
     if tp is not None:
         tp.check(cfg)
+        check_no_tp(cfg)
         return tp.shard_weights(out)
     return {name: t.contiguous() for name, t in out.items()}
