@@ -30,7 +30,7 @@ from mpk.models import decode_io as io
 from mpk.models.config import ModelConfig
 from mpk.models.moe import check_no_tp, moe_block, moe_weights
 from mpk.models.rope import rope_table
-from mpk.tasks.linear.task import MAX_BATCH
+from mpk.tasks.linear.task import MAX_BATCH, min_tasks
 from mpk.tensors import Role
 
 if TYPE_CHECKING:  # models/ stays below parallel/: the builder only calls tp's methods
@@ -78,10 +78,12 @@ def choose_split(rows: int, target_tasks: int, multiple: int = 8) -> int:
     return best
 
 
-def spread(outputs: int, num_sms: int, align: int = 8) -> int:
-    """Tasks for a linear over `outputs` rows: one per SM, fewer when there are fewer than
-    num_sms pieces of `align` rows (the linear kind cuts uneven aligned ranges)."""
-    return max(1, min(num_sms, -(-outputs // align)))
+def spread(outputs: int, num_sms: int, k: int, batch: int, align: int = 8) -> int:
+    """Tasks for a linear over `outputs` rows of K = k: one per SM, fewer when there are fewer
+    than num_sms pieces of `align` rows (the linear kind cuts uneven aligned ranges), and whole
+    waves of num_sms more when a chunked input needs smaller tasks (linear.min_tasks)."""
+    waves = -(-min_tasks(outputs, k, batch, align) // num_sms)
+    return max(1, min(num_sms * waves, -(-outputs // align)))
 
 
 def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = DEFAULT_NUM_SMS,
@@ -125,7 +127,7 @@ def _lm_head(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int) -> No
     g.add_tensor("logits", (b, cfg.vocab_size), F32, Role.ACTIVATION)
     g.add_op("rmsnorm", "final_norm", (1,), {"x": "hidden", "weight": "final_norm",
                                              "out": "final_hidden"}, eps=cfg.rms_eps)
-    tiles = spread(cfg.vocab_size, num_sms)
+    tiles = spread(cfg.vocab_size, num_sms, h, b)
     g.add_tensor("argmax_val", (b, tiles), F32, Role.ACTIVATION)
     g.add_tensor("argmax_idx", (b, tiles), I32, Role.ACTIVATION)
     g.add_op("linear", "lm_head", (tiles,), {"x": "final_hidden", "weight": "lm_head",
@@ -157,7 +159,7 @@ def _attention_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: in
     g.add_tensor(p + "attn", (b, kvh * group * d), BF16, Role.ACTIVATION)
     g.add_op("rmsnorm", p + "input_norm", (1,), {"x": "hidden", "weight": p + "input_norm",
                                                  "out": p + "x_norm"}, eps=cfg.rms_eps)
-    g.add_op("linear", p + "qkv", (spread(width, num_sms),),
+    g.add_op("linear", p + "qkv", (spread(width, num_sms, h, b),),
              {"x": p + "x_norm", "weight": p + "qkv_weight", "out": p + "qkv"})
     _attention(g, cfg, shape, num_sms, p, layer, kvh)
     _row_linear(g, shape, cfg, tp, num_sms, p + "o_proj", p + "attn", p + "o_weight",
@@ -202,7 +204,7 @@ def _mlp_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int, lay
     g.add_tensor(p + "act", (b, inter), BF16, Role.ACTIVATION)
     g.add_op("rmsnorm", p + "post_norm", (1,), {"x": "hidden", "weight": p + "post_norm",
                                                 "out": p + "mlp_norm"}, eps=cfg.rms_eps)
-    g.add_op("linear", p + "gate_up", (spread(inter, num_sms, 4),),
+    g.add_op("linear", p + "gate_up", (spread(inter, num_sms, h, b, 4),),
              {"x": p + "mlp_norm", "weight": p + "gate_up_weight", "out": p + "act"},
              epilogue="silu_mul")
     _row_linear(g, shape, cfg, tp, num_sms, p + "down", p + "act", p + "down_weight",
@@ -215,7 +217,8 @@ def _row_linear(g: Graph, shape: DecodeShape, cfg: ModelConfig, tp: TensorParall
     partial and `allreduce` adds the sum of all ranks' partials (and the residual, once)."""
     h = cfg.hidden_size
     if tp is None:
-        g.add_op("linear", name, (spread(h, num_sms),),
+        k = g.tensors[x].shape[-1]
+        g.add_op("linear", name, (spread(h, num_sms, k, shape.batch),),
                  {"x": x, "weight": weight, "residual": "hidden", "out": "hidden"})
         return
     # f32, unrounded: the ranks' partials must sum to the full fp32 product, which allreduce then

@@ -48,6 +48,22 @@ def chunk_k(batch: int, k: int) -> int:
     return -(-(-(-k // chunks)) // geo.UNIT_K) * geo.UNIT_K
 
 
+# A chunked input (K x batch over X_BUDGET) keeps fp32 sums of all the task's outputs in shared
+# memory between chunks; this caps them (qwen3-8b's lm_head at batch 16 as 132 tasks needed 72 KB,
+# leaving 3 weight pages).
+ACC_BUDGET = 32 * 1024
+
+
+def min_tasks(n: int, k: int, batch: int, align: int = geo.ROWS) -> int:
+    """Fewest tasks for n outputs (`align` per row group: 8, or 4 for silu_mul's gate/up pairs)
+    so a task's shared memory stays bounded: 1 unless the input is staged in chunks, else enough
+    that each task's fp32 sums (8 stream rows x batch per row group) fit ACC_BUDGET."""
+    if chunk_k(batch, k) >= k:
+        return 1
+    groups = max(1, ACC_BUDGET // (geo.ROWS * batch * 4))
+    return -(-n // (groups * align))
+
+
 @register
 class Linear(TaskKind):
     name = "linear"

@@ -1,0 +1,33 @@
+"""Every dense preset's plan leaves the CUDA runtime its weight pages at every batch size the
+engine offers (1-16): found on the H200, qwen3-8b at batch 16 asked for 160 KB of task scratch
+(lm_head's fp32 sums of a chunked input over ~1150 rows per task), which left 3 pages of the 4
+the runtime needs, so `mpk serve --max-batch 16` could not start."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpk.backends.cuda import codegen
+from mpk.compiler.lower import compile_graph
+from mpk.graph.graph import DEFAULT_NUM_SMS
+from mpk.models.builder import DecodeShape, build_graph
+from mpk.models.config import get_preset
+from mpk.tasks.linear.task import ACC_BUDGET, MAX_BATCH, chunk_k, min_tasks
+
+
+@pytest.mark.parametrize("model", ["qwen3-8b", "llama-3.1-8b", "qwen3-0.6b"])
+def test_the_largest_batch_keeps_enough_weight_pages(model: str) -> None:
+    plan = compile_graph(build_graph(get_preset(model), DecodeShape(batch=MAX_BATCH)),
+                         DEFAULT_NUM_SMS)
+    # num_pages raises UnsupportedError below MIN_PAGES (what the runtime needs; the page probe
+    # streamed as fast with 4 pages as with 11, docs/perf-log.md).
+    pages = codegen.num_pages(plan.scratch_bytes)
+    assert pages >= codegen.MIN_PAGES, (model, plan.scratch_bytes, pages)
+
+
+def test_min_tasks_caps_the_sums_of_a_chunked_input() -> None:
+    n, k, batch = 151936, 4096, 16
+    assert chunk_k(batch, k) < k  # this shape is staged in chunks
+    tasks = min_tasks(n, k, batch)
+    assert -(-n // tasks) * batch * 4 <= ACC_BUDGET
+    assert min_tasks(n, k, 8) == 1  # one chunk: no sums kept
