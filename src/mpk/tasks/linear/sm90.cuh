@@ -215,11 +215,9 @@ struct Acc {
   float c[4], d[4];  // batch rows 2t, 2t+1 (c) and 8+2t, 9+2t (d)
 };
 
-// Units of one page a warp takes (its units are kWarps apart), and its accumulator chains.
+// Units of one page a warp takes (its units are kWarps apart).
 constexpr int kWarpUnitsPerPage = kPageUnits / kWarps;
-constexpr int kChains = 2;  // `acc` and one more
 static_assert(kPageUnits % kWarps == 0, "a page holds whole rounds of the warps' units");
-static_assert(kWarpUnitsPerPage % kChains == 0, "units alternate between the chains");
 
 __device__ __forceinline__ void mma_unit(float* c, const uint4& w, const uint4& x) {
   dev::mma_bf16_16816(c, w.x, w.x, w.y, w.y, x.x, x.y);
@@ -245,10 +243,10 @@ __device__ __forceinline__ void page_units(uint32_t pg, int u, int stop, unsigne
 }
 
 // Accumulate this warp's units of a block: task-local units [u0, u0 + nb*nk). Page by page: one
-// wait per page, the page's loads (up to kWarpUnitsPerPage units) issued together, and each of
-// the units alternate between kChains accumulators, summed at the end. (One accumulator and a wait, loads
-// and an index division per unit made every unit a ~300-cycle dependent chain: consumers read
-// ~25 GB/s per SM from resident pages, below an SM's HBM share; scripts/probe_phases.py.)
+// wait per page, then the page's units (page_units), on two accumulator chains summed at the end.
+// (One accumulator and a wait, loads and an index division per unit made every unit a ~300-cycle
+// dependent chain: consumers read ~25 GB/s per SM from resident pages, below an SM's HBM share;
+// scripts/probe_phases.py.)
 __device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::PageCursor& pc,
                                           int pbase, int u0, int nb, int nk, Acc& acc) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
