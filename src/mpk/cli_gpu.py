@@ -77,6 +77,7 @@ def _bench_serving(args: argparse.Namespace, backend: str) -> int:
 
 
 def profile(args: argparse.Namespace) -> int:
+    from mpk.profile.phases import render_phases
     from mpk.profile.run import profile_model, summary_lines
     from mpk.profile.table import render_table
 
@@ -92,6 +93,7 @@ def profile(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     Console(highlight=False).print(render_table(result.table))
+    Console(highlight=False).print(render_phases(result.phases, result.timeline.num_steps))
     for line in summary_lines(result):
         print(line)
     return 0

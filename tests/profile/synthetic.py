@@ -19,12 +19,15 @@ from mpk.compiler.plan import Plan
 from mpk.compiler.schedule import CostModel
 from mpk.models.builder import DecodeShape, build_graph
 from mpk.models.config import get_preset
+from mpk.profile.timeline import COMPUTE, DONE, END, INPUT, NUM_STAMPS, READY, RUN, WAIT
 from mpk.tasks.registry import get_kind
 
 NUM_SMS = 8
 ORIGIN_NS = 1_722_000_000_123_456_789  # %globaltimer is wall-clock-like: large absolute values
 ISSUE_NS = 40  # thread 0 picks up a record and issues its prefetch
 HANDOFF_NS = 300  # a signal becomes visible to a waiting SM
+SEEN_NS = 30  # the controller's ready mark reaches the consumers
+SIGNAL_NS = 150  # the storer's fence and counter adds after the consumers are done
 
 
 def tiny_plan(num_sms: int = NUM_SMS) -> Plan:
@@ -44,11 +47,14 @@ def task_ns(plan: Plan) -> np.ndarray:
 
 
 def fabricate_stamps(plan: Plan, steps: int, seed: int = 0) -> np.ndarray:
-    """int64 [steps, num_sms, max_len, 3] stamps (WAIT, RUN, END), zero past each list."""
+    """int64 [steps, num_sms, max_len, NUM_STAMPS] stamps, zero past each list. The controller
+    sees a record ready SEEN_NS before the consumers start it; linear tasks mark INPUT and
+    COMPUTE at 30% and 70% of their body, other kinds set no marks (zero); the storer signals
+    SIGNAL_NS after DONE."""
     rng = np.random.default_rng(seed)
     instrs, lengths = plan.instrs, plan.lengths.astype(int)
     durations = task_ns(plan)
-    stamps = np.zeros((steps, plan.num_sms, instrs.shape[1], 3), dtype=np.int64)
+    stamps = np.zeros((steps, plan.num_sms, instrs.shape[1], NUM_STAMPS), dtype=np.int64)
     pos = np.zeros(plan.num_sms, dtype=int)
     free = np.full(plan.num_sms, ORIGIN_NS, dtype=np.int64)
     signals: dict[int, list[int]] = defaultdict(list)  # counter -> sorted signal times
@@ -66,7 +72,11 @@ def fabricate_stamps(plan: Plan, steps: int, seed: int = 0) -> np.ndarray:
         ready, sm, s, i = best
         rec = instrs[sm, i]
         end = ready + int(durations[rec[record.OP]] * rng.uniform(0.8, 1.2))
-        stamps[s, sm, i] = (free[sm], ready, end)
+        row = stamps[s, sm, i]
+        row[[WAIT, READY, RUN, DONE, END]] = (free[sm], ready - SEEN_NS, ready, end - SIGNAL_NS,
+                                              end)
+        if plan.kinds[rec[record.KIND]] == "linear":
+            row[INPUT], row[COMPUTE] = ready + (end - ready) * 3 // 10, ready + (end - ready) * 7 // 10
         for j in range(rec[record.NUM_SIGNALS]):
             bisect.insort(signals[int(rec[record.SIGNALS + j])], end)
         free[sm] = end + 20

@@ -14,7 +14,7 @@ import torch
 from mpk.backends.cuda.executor import CudaExecutor
 from mpk.errors import MpkError
 from mpk.profile.picture import PNG_MAGIC
-from mpk.profile.timeline import from_stamps
+from mpk.profile.timeline import NUM_STAMPS, from_stamps
 from tests.cuda.runtime_plans import CHAIN_OPS, STUB_KINDS, chain_expected, chain_plan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.nvcc]
@@ -36,12 +36,15 @@ def test_profiled_chain_gives_the_same_result_and_ordered_stamps() -> None:
         ex.run(3)
         assert torch.equal(ex.read("a"), chain_expected(a0, TILES, 5))
     stamps, step_begin = profiled.last_profile()
-    assert step_begin == 2 and stamps.shape == (3, SMS, int(plan.lengths.max()), 3)
+    assert step_begin == 2 and stamps.shape == (3, SMS, int(plan.lengths.max()), NUM_STAMPS)
     tl = from_stamps(stamps, plan, step_begin)
     assert len(tl) == plan.num_tasks * 3 and tl.missing == 0
     # %globaltimer ticks coarsely (about 1 us) and a stub task is shorter, so a single task's
     # run time may read 0; the stamps must still be ordered and the total positive.
     assert (tl.wait_ns >= 0).all() and (tl.run_ns >= 0).all() and tl.run_ns.sum() > 0
+    # The controller's READY precedes the consumers' RUN; DONE lies between RUN and END.
+    assert (tl.seen_ns <= tl.ready_ns).all() and (tl.ready_ns <= tl.done_ns).all()
+    assert (tl.done_ns <= tl.end_ns).all()
     names = tl.op_names()
     for s in range(3):  # inc1 waits for every inc0 task of its step, inc2 for every inc1
         for before, after in itertools.pairwise(CHAIN_OPS):
@@ -65,3 +68,11 @@ def test_profile_model_end_to_end(tmp_path: Path) -> None:
     # The stamps cover the kernel only; event timing adds the launch: same order of magnitude.
     assert 0.2 * t["profiled_ms_per_token"] < t["stamps_ms_per_token"] <= 1.5 * t[
         "profiled_ms_per_token"]
+    # The chain table: every layer op role, and the linear kind's marks inside its body.
+    roles = {r["role"] for r in summary["phases"]["rows"]}
+    assert {"layers.*.qkv", "layers.*.attention", "layers.*.down", "lm_head"} <= roles
+    tl = result.timeline
+    lin = tl.kind_names() == "linear"
+    assert (tl.ready_ns[lin] <= tl.input_ns[lin]).all()
+    assert (tl.input_ns[lin] <= tl.compute_ns[lin]).all()
+    assert (tl.compute_ns[lin] <= tl.done_ns[lin]).all()

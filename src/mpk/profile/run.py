@@ -6,7 +6,8 @@ executors of that one Plan over the same device tensors (weights, KV cache, io):
   * the default build, timed with CUDA events as `mpk bench` times it;
   * the profiling build: a warm-up launch, then the profiled launch of `steps` steps whose stamps
     become the reports, then the same event timing, so the profiling overhead is measured.
-write_reports turns a Timeline into trace.json, sm_timeline.png and kinds.json (CPU only).
+write_reports turns a Timeline into trace.json, sm_timeline.png and kinds.json (the kind table
+and the dependency chain's phases, mpk.profile.phases; CPU only).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from mpk.compiler.plan import Plan
 from mpk.models.config import ModelConfig
+from mpk.profile.phases import PhaseRow, phase_rows, phases_json
 from mpk.profile.picture import draw_timeline
 from mpk.profile.table import KindTable, kind_table
 from mpk.profile.timeline import Timeline, from_stamps
@@ -43,6 +45,7 @@ class ProfileResult:
     table: KindTable
     summary: dict[str, Any]  # what kinds.json holds
     timing: dict[str, Any] = field(default_factory=dict)
+    phases: list[PhaseRow] = field(default_factory=list)
 
 
 def write_reports(tl: Timeline, out_dir: str | Path, *, bandwidth_bytes_per_s: float | None = None,
@@ -68,6 +71,7 @@ def write_reports(tl: Timeline, out_dir: str | Path, *, bandwidth_bytes_per_s: f
         "stamps_ms_per_step": tl.ns_per_step / 1e6, "timer_resolution_ns": resolution,
         "timer_coarse": resolution is not None and resolution > COARSE_TIMER_NS,
         **(extra or {}), "kinds": table.to_json(),
+        "phases": phases_json(phase_rows(tl), tl.num_steps),
     }
     (out / KINDS_FILE).write_text(json.dumps(summary, indent=1, default=str))
     return table, summary
@@ -152,7 +156,7 @@ def profile_model(cfg: ModelConfig, steps: int = 200, *, weights: dict[str, Any]
     title = f"{cfg.name or cfg.arch} batch {batch}: {steps} steps on {num_sms} SMs"
     table, summary = write_reports(tl, out_dir, bandwidth_bytes_per_s=bandwidth, title=title,
                                    extra=extra)
-    return ProfileResult(Path(out_dir), plan, tl, table, summary, timing)
+    return ProfileResult(Path(out_dir), plan, tl, table, summary, timing, phase_rows(tl))
 
 
 def summary_lines(result: ProfileResult) -> list[str]:

@@ -1,10 +1,14 @@
 """Raw profiling stamps + the Plan -> one event per executed record.
 
 The profiling build writes stamps[step][sm][index][stamp] (int64 %globaltimer ns; stamp
-indices codegen.PROFILE_STAMPS: WAIT, RUN, END) for every record a CTA runs:
-  WAIT  the consumer warps are free for the record (they finished the previous one),
-  RUN   the controller marked it ready (its counter waits are met): the task starts,
-  END   the task ran and the storer fenced and issued its signals.
+indices codegen.PROFILE_STAMPS) for every record a CTA runs:
+  WAIT     the consumer warps are free for the record (they finished the previous one),
+  READY    the controller saw the record's counter waits met,
+  RUN      the consumers saw it ready: the task starts,
+  INPUT    a kind's first mark (linear: its input staged and normalised; else = RUN),
+  COMPUTE  a kind's second mark (linear: warp 0's weight walk of the last block; else = DONE),
+  DONE     every consumer warp left the task,
+  END      the storer fenced and issued its signals.
 So wait_ns = RUN - WAIT is time the SM's compute spends on dependency counters (the controller
 fetched the record and waited ahead, so this is only what that could not hide), and
 run_ns = END - RUN is the task itself: weight pages (streamed ahead by the loader), activation
@@ -24,7 +28,11 @@ from mpk.compiler.plan import Plan
 from mpk.errors import MpkError
 
 WAIT, RUN, END = PROFILE_STAMPS["WAIT"], PROFILE_STAMPS["RUN"], PROFILE_STAMPS["END"]
+READY, INPUT, COMPUTE, DONE = (PROFILE_STAMPS[name] for name in
+                               ("READY", "INPUT", "COMPUTE", "DONE"))
 NUM_STAMPS = len(PROFILE_STAMPS)
+_COLUMNS = ("sm", "step", "index", "task", "kind_id", "op", "point", "start_ns", "ready_ns",
+            "end_ns", "seen_ns", "input_ns", "compute_ns", "done_ns")
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,10 @@ class Timeline:
     start_ns: np.ndarray
     ready_ns: np.ndarray  # RUN stamp
     end_ns: np.ndarray
+    seen_ns: np.ndarray  # READY stamp: the controller saw the waits met
+    input_ns: np.ndarray  # INPUT mark (RUN where the kind does not mark)
+    compute_ns: np.ndarray  # COMPUTE mark (DONE where the kind does not mark)
+    done_ns: np.ndarray  # DONE stamp
 
     def __len__(self) -> int:
         return len(self.task)
@@ -122,9 +134,7 @@ class Timeline:
         if count >= self.num_steps:
             return self
         sel = self.step < count
-        columns = {name: getattr(self, name)[sel] for name in (
-            "sm", "step", "index", "task", "kind_id", "op", "point", "start_ns", "ready_ns",
-            "end_ns")}
+        columns = {name: getattr(self, name)[sel] for name in _COLUMNS}
         return replace(self, num_steps=max(count, 0), **columns)
 
     def timer_resolution_ns(self) -> int | None:
@@ -136,7 +146,7 @@ class Timeline:
 
 
 def from_stamps(stamps: np.ndarray, plan: Plan, step_begin: int = 0) -> Timeline:
-    """Turn stamps [steps, num_sms, max_len, 3] (int64 or uint64 ns; zero = not executed) of a
+    """Turn stamps [steps, num_sms, max_len, NUM_STAMPS] (int64 or uint64 ns; zero = not executed) of a
     launch of `plan` that began at global step `step_begin` into a Timeline."""
     stamps = np.asarray(stamps)
     instrs = plan.instrs.reshape(plan.num_sms, -1, record.WORDS)
@@ -149,14 +159,18 @@ def from_stamps(stamps: np.ndarray, plan: Plan, step_begin: int = 0) -> Timeline
     num_steps, max_len = stamps.shape[0], stamps.shape[2]
     planned = np.arange(max_len)[None, None, :] < lengths[None, :, None]  # [1, sms, max_len]
     planned = np.broadcast_to(planned, stamps.shape[:3])
-    ran = planned & (stamps > 0).all(axis=3)
+    # The marks are optional (zero where a kind does not mark); the other stamps are not.
+    ran = planned & (np.delete(stamps, [INPUT, COMPUTE], axis=3) > 0).all(axis=3)
     if not ran.any():
         raise MpkError("the profile holds no stamps: was the executor built with profile=True, "
                        "and did the launch run?")
     step, sm, index = np.nonzero(ran)
-    raw = stamps[step, sm, index]  # [n, 3]
+    raw = stamps[step, sm, index]  # [n, NUM_STAMPS]
     origin = int(raw[:, WAIT].min())
     recs = instrs[sm, index]
+    run, done = raw[:, RUN], raw[:, DONE]
+    mark_in = np.where(raw[:, INPUT] > 0, raw[:, INPUT], run)
+    mark_compute = np.where(raw[:, COMPUTE] > 0, raw[:, COMPUTE], done)
     return Timeline(
         plan=plan, step_begin=int(step_begin), num_steps=int(num_steps), origin_ns=origin,
         missing=int((planned & ~ran).sum()), sm=sm.astype(np.int64),
@@ -164,5 +178,6 @@ def from_stamps(stamps: np.ndarray, plan: Plan, step_begin: int = 0) -> Timeline
         task=recs[:, record.TASK].astype(np.int64), kind_id=recs[:, record.KIND].astype(np.int64),
         op=recs[:, record.OP].astype(np.int64),
         point=recs[:, record.POINT:record.POINT + 3].astype(np.int64),
-        start_ns=raw[:, WAIT] - origin, ready_ns=raw[:, RUN] - origin,
-        end_ns=raw[:, END] - origin)
+        start_ns=raw[:, WAIT] - origin, ready_ns=run - origin, end_ns=raw[:, END] - origin,
+        seen_ns=raw[:, READY] - origin, input_ns=mark_in - origin,
+        compute_ns=mark_compute - origin, done_ns=done - origin)

@@ -74,8 +74,12 @@ SM_STATUS: dict[str, int] = {"WAITING": 1, "BAD_KIND": 2, "PEER": 3}
 # runtime writes profile[step][sm][index][stamp] with these stamp indices.
 PROFILE_STAMPS: dict[str, int] = {
     "WAIT": 0,  # the consumer warps are free for the record (they finished the previous one)
-    "RUN": 1,  # the controller marked it ready (its waits are met): the task starts
+    "RUN": 1,  # the consumers saw it ready: the task starts
     "END": 2,  # the task ran, the storer fenced and issued its signals
+    "READY": 3,  # the controller saw the record's counters met (<= RUN)
+    "INPUT": 4,  # a kind's mark 0 (linear: input staged and normalised); 0 when not marked
+    "COMPUTE": 5,  # a kind's mark 1 (linear: its last block's weight walk done); 0 when not marked
+    "DONE": 6,  # every consumer warp left the task (the storer's turn)
 }
 
 _HOLE = re.compile(r"@@([A-Z_]+)@@")

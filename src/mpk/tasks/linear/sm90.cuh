@@ -521,6 +521,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   int u0 = 0, buf = 0;
   for (int ch = 0; ch < t.nch; ++ch) {
     stage_chunk(t, s, nw, ch);
+    if (ch == 0) a.mark(0);  // profiling: the input is in (stage_chunk ends with a barrier)
     const int kc = min(t.xc, t.K - ch * t.xc);
     const int nk = (kc + kUnitK - 1) / kUnitK;
     int rg0 = 0;
@@ -536,11 +537,13 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
           float resid[4];
           prefetch_own(t, rg, resid);
           mma_block(t, s, pc, pbase, u0, nb, nk, acc);
+          a.mark(1);  // profiling: warp 0's walk of this block is done (the last block's stays)
           finish_own(t, s, rg, acc, resid, ch, best);
         } else {
           float resid[2];
           prefetch_shared(t, rg0, nb, resid);
           mma_block(t, s, pc, pbase, u0, nb, nk, acc);
+          a.mark(1);
           finish_shared(t, s, rg0, u0, nb, acc, buf, resid, ch);
           buf ^= 1;
         }

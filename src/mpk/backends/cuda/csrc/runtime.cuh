@@ -83,6 +83,8 @@ struct __align__(16) Slot {
   int step, index, stop, bad_kind;
   uint32_t page_seq;                          // ring sequence number of the record's page 0
   int pad[3];
+  unsigned long long t_ready, t_done;         // profiling stamps (after t_wait: probe scripts
+  unsigned long long t_mark[2];               // patch by that field's offset)
 };
 
 // Barrier block in static shared memory: full[NUM_PAGES], empty[NUM_PAGES] (PageCursor relies
@@ -249,6 +251,9 @@ __device__ __forceinline__ void controller(const Params& p, Shared& sh, int tota
       ok = wait_record(p, slot.rec, slot.step, sm, slot.index, sh);
     }
     if (!ok) slot.stop = 1;  // the consumers leave when they reach this slot
+#ifdef MPK_PROFILE
+    slot.t_ready = ptx::globaltimer();
+#endif
     ptx::mbar_arrive(ptx::smem_u32(&sh.bars.ready[sl]));
     if (!ok) return;
   }
@@ -307,6 +312,10 @@ __device__ __forceinline__ void profile_record(const Params& p, const Slot& slot
       (((long long)slot.step * gridDim.x + sm) * p.max_len + slot.index) * PROF_STAMPS;
   row[PROF_WAIT] = slot.t_wait;
   row[PROF_RUN] = slot.t_run;
+  row[PROF_READY] = slot.t_ready;
+  row[PROF_INPUT] = slot.t_mark[0];
+  row[PROF_COMPUTE] = slot.t_mark[1];
+  row[PROF_DONE] = slot.t_done;
   row[PROF_END] = ptx::globaltimer();
 }
 #endif
@@ -367,17 +376,26 @@ __device__ __forceinline__ void consumers(const Params& p, Shared& sh, uint32_t 
     if (tid == 0) {  // the storer reads both after this record's done
       slot.t_wait = t_wait;
       slot.t_run = ptx::globaltimer();
+      slot.t_mark[0] = slot.t_mark[1] = 0ull;  // a kind that marks overwrites them
     }
 #endif
     const int npages = slot.stream != 0ull ? pages_of(slot.rec) : 0;
     const PageCursor pages{ring, ptx::smem_u32(&sh.bars.full[0]), slot.page_seq, npages, -1,
                            p.timeout_ns};
+#ifdef MPK_PROFILE
+    const TaskArgs a{slot.rec, slot.params, slot.base, slot.step, scratch, task_params, pages,
+                     slot.t_mark};
+#else
     const TaskArgs a{slot.rec, slot.params, slot.base, slot.step, scratch, task_params, pages};
+#endif
     if (!dispatch(slot.rec[REC_KIND], a)) __trap();  // the controller checked the kind id
     // Every warp is out of this task before any warp starts the next one: a task owns the
     // scratch for its whole duration (a fast warp would otherwise overwrite what a slow one
     // still reads, e.g. an argmax result read after the task's last barrier).
     task_sync();
+#ifdef MPK_PROFILE
+    if (tid == 0) slot.t_done = ptx::globaltimer();
+#endif
     if ((tid & 31) == 0) ptx::mbar_arrive(ptx::smem_u32(&sh.bars.done[sl]));
   }
 }

@@ -17,6 +17,7 @@
 //           bytes of run-by-run cut i of the task's stream (record STREAM_RUNS). A kind with a
 //           stream copies this cursor, visits its pages, and MUST call finish() on its copy
 //           before returning (on every path).
+// mark(i) : profiling builds stamp the task's INPUT (0) and COMPUTE (1) points; a no-op otherwise.
 #pragma once
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -93,6 +94,17 @@ struct TaskArgs {
   char* smem;
   const Params* p;
   PageCursor pages;
+#ifdef MPK_PROFILE
+  unsigned long long* marks;  // the record's INPUT and COMPUTE stamps (profiling builds only)
+#endif
+
+  // Profiling builds: stamp mark i (0: INPUT, 1: COMPUTE; codegen.PROFILE_STAMPS) now. Call it
+  // from thread 0 after a task_sync() (or from every thread: thread 0's stamp is kept).
+  __device__ __forceinline__ void mark(int i) const {
+#ifdef MPK_PROFILE
+    if (threadIdx.x == 0) marks[i] = ptx::globaltimer();
+#endif
+  }
 
   // Pointer to the first element of operand `slot`'s TILE (tile offset already applied), or
   // nullptr when the optional operand is absent. Slots are generated per kind as O_<NAME>.
