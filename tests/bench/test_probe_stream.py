@@ -44,3 +44,12 @@ def test_every_phase_probe_patch_still_applies() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert "loader: ['launch.cuh', 'params.cuh', 'ptx.cuh', 'runtime.cuh'" in done.stdout
     assert len(done.stdout.strip().splitlines()) == 14
+
+
+def test_every_model_probe_patch_still_applies() -> None:
+    """scripts/probe_model.py reuses probe_phases' patches on a model's plan: they still apply."""
+    done = subprocess.run([sys.executable, str(SCRIPT.parent / "probe_model.py"), "--dry-run"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "pagewait: ['launch.cuh', 'linear/sm90.cuh'" in done.stdout
+    assert len(done.stdout.strip().splitlines()) == 4  # the default runs

@@ -80,9 +80,12 @@ def write_reports(tl: Timeline, out_dir: str | Path, *, bandwidth_bytes_per_s: f
 def profile_model(cfg: ModelConfig, steps: int = 200, *, weights: dict[str, Any] | None = None,
                   batch: int = 1, seed: int = 0, out_dir: str | Path = "mpk-profile",
                   num_sms: int | None = None, repeats: int = 5, prompt_len: int = 16,
-                  measure_bandwidth: bool = True) -> ProfileResult:
+                  measure_bandwidth: bool = True,
+                  extra_includes: tuple[Path, ...] = ()) -> ProfileResult:
     """Profile `steps` decode steps of `cfg` on the current CUDA device (see the module doc).
-    `weights`: HF-named tensors (default: random_weights(cfg, seed) on the GPU)."""
+    `weights`: HF-named tensors (default: random_weights(cfg, seed) on the GPU).
+    `extra_includes`: include directories searched first by the PROFILED build only (patched
+    kernel headers: scripts/probe_model.py); the default build stays the product's."""
     import torch
 
     from mpk.backends.cuda.executor import CudaExecutor
@@ -106,7 +109,7 @@ def profile_model(cfg: ModelConfig, steps: int = 200, *, weights: dict[str, Any]
     plan = compile_cached(build_graph(cfg, shape, num_sms=num_sms), num_sms)
     t1 = time.perf_counter()
     plain = CudaExecutor(plan, device)
-    profiled = CudaExecutor(plan, device, profile=True)
+    profiled = CudaExecutor(plan, device, profile=True, extra_includes=extra_includes)
     build_s = time.perf_counter() - t1
     bind_model(plain, plan, cfg, shape, weights, seed=0)
     for t in plan.tensors:  # one set of weights, KV cache and io buffers for both builds

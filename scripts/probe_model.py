@@ -1,0 +1,152 @@
+#!/usr/bin/env python
+"""A model's decode step taken apart on the GPU: probe_phases.py's patches on a real plan.
+
+`mpk profile` splits each op's phase into handoff, input, compute, epilogue and signal
+(mpk/profile/phases.py). This probe reruns that profile with patched copies of the kernel
+headers (probe_phases.include_dir; the product is unchanged) to explain the compute part:
+  none       the profile as is (the patched-build infrastructure, no edit),
+  loader_lead  WAIT := when the loader issued the record's last page: per role, how far ahead
+             of the task (RUN) the loader was (p10/p50/p90),
+  pagewait   the WAIT stamp := 1 + warp 0's total time waiting for weight pages to land, per
+             linear task: pages that are not resident when a task reaches them,
+  no_mma     ablation (wrong outputs, timing only): the walk reads the weights but does no MMA,
+  no_wload   ablation (wrong outputs, timing only): MMAs on a made-up fragment, no weight loads,
+  no_walkpages  the walk reads page slot 0 without waiting (finish() still waits for and
+             releases every page at the task's end), no_units: the page protocol without the
+             units (both timing only).
+Per op role: the phase parts, and for pagewait the mean page wait of its linear tasks.
+
+  python scripts/probe_model.py --model qwen3-0.6b [--runs none,pagewait] [--json]   # on the GPU
+  python scripts/probe_model.py --dry-run    # anywhere: every patch applies
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+
+import numpy as np
+from probe_phases import FINISH, PATCHES, include_dir, probe_build, stamp
+from probe_stream import page_config
+
+from mpk.backends.cuda import codegen
+from mpk.models.config import get_preset
+from mpk.profile.phases import role_of
+
+# Never zero (a zero stamp reads as "did not run").
+PATCHES["pagewait1"] = {
+    "task_args.cuh": PATCHES["pagewait"]["task_args.cuh"],
+    "linear/sm90.cuh": [(FINISH, (f"  pc.finish();\n  {stamp('pc.waited + 1ull')}\n"
+                                 "  if (t.argmax)"))]}
+# The walk without its page protocol (pages still waited for and released, by finish() at the
+# task's end) / without its units (the page protocol alone). Timing only.
+PG = "    const uint32_t pg = pc.at(pbase + page) + lane * 16;\n"
+PATCHES["no_walkpages"] = {"linear/sm90.cuh": [(PG, PG.replace("pc.at(pbase + page)", "pc.ring"))]}
+PATCHES["no_units"] = {"linear/sm90.cuh": [("    if (kWhole || uj < stop) {\n",
+                                            "    if (false) {\n")]}
+# WAIT := when the loader issued the record's last page copy (the consumers' own WAIT stamp is
+# dropped): RUN - WAIT is how far ahead of the task the loader was.
+RECORD_END = "        src += sizes[r];\n      }\n    }\n"
+PATCHES["loader_lead"] = {"runtime.cuh": [
+    (RECORD_END, RECORD_END + "    sh.slot[sl].t_wait = ptx::globaltimer();\n"),
+    ("      slot.t_wait = t_wait;\n", "")]}
+# Batch <= 8 leaves the d accumulators idle: a unit's second MMA goes to them, so the unit's
+# two MMAs are independent (timing only: d is never added back).
+UNIT = "      mma_unit(chain.c, w, dev::lds_v4(x + j * xstep));\n"
+PATCHES["dchain"] = {"linear/sm90.cuh": [(UNIT, (
+    "      { const uint4 xv = dev::lds_v4(x + j * xstep);\n"
+    "        dev::mma_bf16_16816(chain.c, w.x, w.x, w.y, w.y, xv.x, xv.y);\n"
+    "        dev::mma_bf16_16816(chain.d, w.z, w.z, w.w, w.w, xv.z, xv.w); }\n"))]}
+# The controller polls with relaxed loads and acquires once the target is met (ld.acquire
+# compiles to a load plus an L1 invalidation, CCTL.IVALL, on every poll).
+POLL = "      for (;;) {\n        v = ptx::ld_acquire_u64(ctr);\n        if (v >= target) break;\n"
+PATCHES["relaxed_poll"] = {"runtime.cuh": [(POLL, (
+    "      for (;;) {\n"
+    "        asm volatile(\"ld.relaxed.gpu.global.u64 %0, [%1];\" : \"=l\"(v) : \"l\"(ctr)"
+    " : \"memory\");\n"
+    "        if (v >= target) { v = ptx::ld_acquire_u64(ctr); break; }\n"))]}
+# The loader copies nothing: pages complete at once with stale contents (timing only).
+ISSUE = ("        ptx::mbar_arrive_expect_tx(full, sizes[r]);\n"
+         "        ptx::bulk_copy_g2s(ring + ps * (uint32_t)PAGE_BYTES, src, sizes[r], full, policy);\n")
+PATCHES["no_loader"] = {"runtime.cuh": [(ISSUE, "        ptx::mbar_arrive(full);\n")]}
+# The producer warps (loader, storer, fetcher) spin in wait_unless_gone: try_wait, a shared
+# load, again. nanosleep: they back off 64 ns per turn; hint: every try_wait asks the hardware
+# to suspend the warp until the phase completes (suspendTimeHint, as CUTLASS does).
+GONE = "    if (ptx::ld_acquire_cta(gone)) return ptx::mbar_try_wait(bar, parity);\n"
+PATCHES["nanosleep"] = {"runtime.cuh": [(GONE, GONE + "    __nanosleep(64);\n")]}
+TRY = "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;"
+PATCHES["hint"] = {"ptx.cuh": [(TRY, TRY.replace("%2;", "%2, 0x989680;"))]}
+RUNS = {"none": "none", "loader_lead": "loader_lead", "dchain": "dchain",
+        "nanosleep": "nanosleep", "hint": "hint",
+        "relaxed_poll": "relaxed_poll", "no_loader": "no_loader", "pagewait": "pagewait1", "no_mma": "no_mma", "no_wload": "no_wload",
+        "no_walkpages": "no_walkpages", "no_units": "no_units"}
+
+
+def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int) -> dict:
+    from mpk.profile.run import profile_model
+
+    patch = RUNS[name]
+    with (include_dir(patch) as inc, probe_build(patch), tempfile.TemporaryDirectory() as out,
+          page_config(page_bytes, max_pages)):
+        res = profile_model(get_preset(model), steps=steps, out_dir=out, repeats=3,
+                            measure_bandwidth=False, extra_includes=(inc,))
+    tl = res.timeline
+    row = {"run": name, "page_bytes": page_bytes, "ms_per_token": res.timing["profiled_ms_per_token"],
+           "phases": {r.role: {"phase": round(r.phase_us, 2),
+                               **{k: round(v, 2) for k, v in r.parts_us.items()}}
+                      for r in res.phases}}
+    if name == "loader_lead":
+        lead = (tl.ready_ns - tl.start_ns).astype(np.float64) / 1e3
+        roles = np.asarray([role_of(o.name) for o in tl.plan.ops], dtype=object)[tl.op]
+        lin = tl.kind_names() == "linear"
+        row["loader_lead_us"] = {
+            str(r): [round(float(np.percentile(lead[lin & (roles == r)], q)), 2)
+                     for q in (10, 50, 90)] for r in sorted(set(roles[lin]))}
+    if name == "pagewait":
+        waited = (tl.start_ns + tl.origin_ns - 1).astype(np.float64) / 1e3
+        roles = np.asarray([role_of(o.name) for o in tl.plan.ops], dtype=object)[tl.op]
+        lin = tl.kind_names() == "linear"
+        row["page_wait_us"] = {str(r): round(float(waited[lin & (roles == r)].mean()), 3)
+                               for r in sorted(set(roles[lin]))}
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--runs", default="none,pagewait,no_mma,no_wload")
+    p.add_argument("--page-bytes", type=int, default=codegen.PAGE_BYTES)
+    p.add_argument("--max-pages", type=int, default=codegen.MAX_PAGES)
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    names = args.runs.split(",")
+    if unknown := sorted(set(names) - set(RUNS)):
+        p.error(f"unknown runs {unknown}; choose from {', '.join(RUNS)}")
+    if args.dry_run:
+        for name in names:
+            with include_dir(RUNS[name]) as inc, probe_build(RUNS[name]):
+                print(f"{name}: {sorted(str(f.relative_to(inc)) for f in inc.rglob('*.cuh'))}")
+        return 0
+    rows = []
+    for name in names:
+        row = run(args.model, name, args.steps, args.page_bytes, args.max_pages)
+        rows.append(row)
+        print(f"{name}: {row['ms_per_token']:.3f} ms/token", flush=True)
+        for role, parts in row["phases"].items():
+            print(f"  {role:22s} " + " ".join(f"{k}={v}" for k, v in parts.items()))
+        if "loader_lead_us" in row:
+            print("  loader lead, RUN - last page issued (us, p10/p50/p90): "
+                  + json.dumps(row["loader_lead_us"]))
+        if "page_wait_us" in row:
+            print("  page wait per linear task (us): " + json.dumps(row["page_wait_us"]))
+    if args.json:
+        print(json.dumps({"model": args.model, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
