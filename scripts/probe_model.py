@@ -78,7 +78,14 @@ GONE = "    if (ptx::ld_acquire_cta(gone)) return ptx::mbar_try_wait(bar, parity
 PATCHES["nanosleep"] = {"runtime.cuh": [(GONE, GONE + "    __nanosleep(64);\n")]}
 TRY = "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;"
 PATCHES["hint"] = {"ptx.cuh": [(TRY, TRY.replace("%2;", "%2, 0x989680;"))]}
+# Combined ablations with no copies in flight (timing only): the page protocol alone, and the
+# unit loop with neither its MMAs nor its weight loads.
+PATCHES["no_loader_no_units"] = {**PATCHES["no_loader"], **PATCHES["no_units"]}
+PATCHES["no_loader_bare_units"] = {**PATCHES["no_loader"], "linear/sm90.cuh": [
+    *PATCHES["no_mma"]["linear/sm90.cuh"], *PATCHES["no_wload"]["linear/sm90.cuh"]]}
 RUNS = {"none": "none", "loader_lead": "loader_lead", "dchain": "dchain",
+        "no_loader_no_units": "no_loader_no_units",
+        "no_loader_bare_units": "no_loader_bare_units",
         "nanosleep": "nanosleep", "hint": "hint",
         "relaxed_poll": "relaxed_poll", "no_loader": "no_loader", "pagewait": "pagewait1", "no_mma": "no_mma", "no_wload": "no_wload",
         "no_walkpages": "no_walkpages", "no_units": "no_units"}
