@@ -90,6 +90,11 @@ __global__ void __launch_bounds__(384, 1) bench(const char* weights, long long* 
     while (!*reinterpret_cast<volatile int*>(&consumers_done)) {
       if (warp == 10) {
         asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(ctr) : "memory");
+        if (kEnv & 4) {  // as the controller: the timeout check reads %globaltimer every poll
+          unsigned long long t;
+          asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+          v += t & 1;
+        }
       } else {
         asm volatile("st.global.u64 [%0], %1;" ::"l"(ctr + 8), "l"(v + 1) : "memory");
         asm volatile("fence.acq_rel.gpu;" ::: "memory");
@@ -192,6 +197,8 @@ int main() {
     run<false, true, false, 1>("no copy, units, poller", blocks, w, cyc, sink, ctr);
     run<false, true, false, 2>("no copy, units, fencer", blocks, w, cyc, sink, ctr);
     run<false, true, false, 3>("no copy, units, poller+fencer", blocks, w, cyc, sink, ctr);
+    run<false, true, false, 5>("no copy, units, poller reading the timer", blocks, w, cyc, sink,
+                               ctr);
     run<false, false, false, 3>("no copy, no units, poller+fencer", blocks, w, cyc, sink, ctr);
     run<true, true, false>("copy, units", blocks, w, cyc, sink, ctr);
     run<true, true, false, 3>("copy, units, poller+fencer", blocks, w, cyc, sink, ctr);

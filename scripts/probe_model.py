@@ -83,7 +83,13 @@ PATCHES["hint"] = {"ptx.cuh": [(TRY, TRY.replace("%2;", "%2, 0x989680;"))]}
 PATCHES["no_loader_no_units"] = {**PATCHES["no_loader"], **PATCHES["no_units"]}
 PATCHES["no_loader_bare_units"] = {**PATCHES["no_loader"], "linear/sm90.cuh": [
     *PATCHES["no_mma"]["linear/sm90.cuh"], *PATCHES["no_wload"]["linear/sm90.cuh"]]}
+# The controller reads %globaltimer and the abort flag on every poll; here on every 64th only.
+PATCHES["sparse_timer"] = {"runtime.cuh": [
+    ("      for (;;) {\n        v = ptx::ld_acquire_u64(ctr);\n        if (v >= target) break;\n",
+     "      for (unsigned n = 1;; ++n) {\n        v = ptx::ld_acquire_u64(ctr);\n"
+     "        if (v >= target) break;\n        if (n & 63) continue;\n")]}
 RUNS = {"none": "none", "loader_lead": "loader_lead", "dchain": "dchain",
+        "sparse_timer": "sparse_timer",
         "no_loader_no_units": "no_loader_no_units",
         "no_loader_bare_units": "no_loader_bare_units",
         "nanosleep": "nanosleep", "hint": "hint",

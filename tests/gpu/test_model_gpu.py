@@ -42,7 +42,7 @@ def test_every_buffer_matches_interpreter(preset: str, num_layers: int | None) -
     assert not bad, "\n".join(f"{r.tensor}: rel err {r.rel_err:.3g} > {r.tolerance}" for r in bad)
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3", "qwen3-0.6b", "llama-3.2-1b"])
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "qwen3-0.6b", "llama-3.2-1b", "tiny-qwen3-moe"])
 def test_greedy_64_tokens_teacher_forced(preset: str) -> None:
     cfg = get_preset(preset)
     seed = SEED

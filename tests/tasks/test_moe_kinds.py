@@ -137,16 +137,13 @@ def test_foreign_ids_and_bad_grids_are_refused() -> None:
                                                 "weight": "w13", "out": "act2"})
 
 
-def test_cuda_build_refuses_moe_plans_by_name() -> None:
-    """The MoE kinds have no sm90.cuh yet (CPU only): a MoE model's plan compiles, and the CUDA
-    build names the kinds instead of failing inside nvcc. Drop this when the kernels land."""
-    from mpk.backends.cuda import build, codegen
-    from mpk.errors import CompileError
+def test_cuda_build_has_every_moe_kernel() -> None:
+    """A MoE model's plan names no missing kernel (each kind has its sm90.cuh); the nvcc build
+    itself is tests/cuda/test_nvcc_build.py's, the numerics tests/gpu/test_kernels_moe.py's."""
+    from mpk.backends.cuda import codegen
     from mpk.models.builder import DecodeShape, build_graph
     from mpk.models.config import get_preset
 
     plan = compile_graph(build_graph(get_preset("tiny-qwen3-moe"), DecodeShape(batch=2)), 8)
-    moe = ["moe_down", "moe_gate_up", "moe_router"]
-    assert sorted(codegen.missing_kernels(plan.kinds)) == moe
-    with pytest.raises(CompileError, match="moe_down, moe_gate_up, moe_router"):
-        build.build_plan(plan, arch="sm_90a")
+    assert {"moe_router", "moe_gate_up", "moe_down"} <= set(plan.kinds)
+    assert codegen.missing_kernels(plan.kinds) == []

@@ -14,10 +14,10 @@ Weights come from global memory, not a stream, as in moe_gate_up (their address 
 this step's expert_ids; streaming them through the loader is later GPU work). An id outside
 [0, E) raises IndexError here; the kernel skips it.
 
-CPU only for now: this folder has no sm90.cuh, so codegen.missing_kernels lists the kind and
-the CUDA build refuses a plan that uses it, by name. A draft kernel exists (issue 12), but with
-the three MoE kernels in one megakernel ptxas spilled past tests/cuda's allowance; the limits,
-"the kernel" and scratch_bytes below describe that draft.
+The kernel (sm90.cuh): per batch row, its K activations staged in shared memory; a warp per
+output of the range visits the slots 4 at a time (2 vectors of each chosen row in flight per
+lane), rounds and weights each slot's dot product and adds it to the fp32 sum in slot order.
+An expert two rows chose is read once from HBM and again from L2.
 """
 
 from __future__ import annotations

@@ -23,10 +23,10 @@ memory. Streaming them into shared-memory pages through the runtime's loader, as
 router's result is known, is later GPU work (issue 12). An id outside [0, E) (never written by
 moe_router) raises IndexError here; the kernel ignores it.
 
-CPU only for now: this folder has no sm90.cuh, so codegen.missing_kernels lists the kind and
-the CUDA build refuses a plan that uses it, by name. A draft kernel exists (issue 12), but with
-the three MoE kernels in one megakernel ptxas spilled past tests/cuda's allowance; the limits,
-"the kernel" and scratch_bytes below describe that draft.
+The kernel (sm90.cuh): the ids set bits in a 512-bit map, the slot finds its expert (the u-th
+set bit) and lists its pairs; the pairs' x rows are staged MAX_PAIRS at a time (normally one
+group: more only when more than MAX_PAIRS rows chose one expert), and each warp computes rows of
+the range, gate and up together, with plain fp32 FMA dot products (one per pair and matrix).
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ from mpk.tasks.numerics import bf16, silu_mul
 from mpk.tasks.registry import register
 
 ALIGN = 8  # intermediate rows per unit of the split (task ranges start at multiples of 8)
-X_BUDGET = 96 * 1024  # shared memory for the B staged input rows (bytes)
-HEADER_BYTES = 2048  # sm90.cuh: expert bitmap, the slot's expert, the (b, j) pairs, the ids
+X_BUDGET = 96 * 1024  # shared memory for the staged input rows (bytes)
+HEADER_BYTES = 2048  # sm90.cuh: expert bitmap, the ids, the (b, j) pairs, their count
+MAX_PAIRS = 8  # sm90.cuh kMaxPairs: input rows staged (and dot products kept) per pass
 
 
 def expected_distinct(experts: int, top_k: int, batch: int) -> float:
@@ -110,8 +111,8 @@ class MoeGateUp(TaskKind):
                            f"(at most all) per row")
         if hidden % 8 or inter % 8:
             raise op.error(f"hidden {hidden} and expert width {inter} must be multiples of 8")
-        if 2 * batch * hidden > X_BUDGET:
-            raise op.error(f"{batch} rows of {hidden} bf16 exceed the kernel's "
+        if 2 * min(batch, MAX_PAIRS) * hidden > X_BUDGET:
+            raise op.error(f"{min(batch, MAX_PAIRS)} rows of {hidden} bf16 exceed the kernel's "
                            f"{X_BUDGET // 1024} KB of staged input")
         if op.grid[0] != min(experts, batch * top_k) or op.grid[2] != 1:
             raise op.error(f"the grid is (min(E, B*K), tiles) = ({min(experts, batch * top_k)}, "
@@ -132,7 +133,7 @@ class MoeGateUp(TaskKind):
 
     def scratch_bytes(self, op: OpView) -> int:
         batch, hidden = op.shape("x")
-        return HEADER_BYTES + 2 * batch * hidden
+        return HEADER_BYTES + 2 * min(batch, MAX_PAIRS) * hidden
 
     def reference(self, tile: Tile) -> None:
         weight = tile["weight"]  # whole [E, 2, I, H]

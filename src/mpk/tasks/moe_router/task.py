@@ -18,10 +18,9 @@ its GEMV over SMs (a linear op spread like the others, its bf16 output is exactl
 rounding point, then a small top-k) is the GPU work that decides whether that matters.
 The ids and weights drive moe_gate_up and moe_down (ids in [0, E), distinct within a row).
 
-CPU only for now: this folder has no sm90.cuh, so codegen.missing_kernels lists the kind and
-the CUDA build refuses a plan that uses it, by name. A draft kernel exists (issue 12), but with
-the three MoE kernels in one megakernel ptxas spilled past tests/cuda's allowance; the limits,
-"the kernel" and scratch_bytes below describe that draft.
+The kernel (sm90.cuh): the row staged in shared memory, a warp per expert at a time for the
+logits (8 gate vectors in flight per lane), then warp 0 alone for the softmax and K rounds of a
+warp argmax over (probability, lower id first) keys; scratch_bytes below is its layout.
 """
 
 from __future__ import annotations

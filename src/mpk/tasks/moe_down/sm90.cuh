@@ -1,0 +1,148 @@
+// moe_down, sm_90a: for range t of the hidden size, out[b, n] = bf16(residual[b, n] +
+// bf16(sum_j bf16(bf16(x[b, j] . W[e_bj, n]) * w_bj))) with the sum in fp32 in slot order
+// (semantics in task.py).
+//
+// Layouts: x [B, K, I], expert_ids and expert_weights [B, K], weight [E, H, I] are whole
+// (operand = tensor start); residual and out [B, H] are addressed from their bases (element
+// (b, n) at + b*H + n). out may be the residual tensor itself: each element is read and then
+// written by the same lane, and only this task's range is touched.
+// Shared scratch (task.py HEADER_BYTES + one row's K activations): [ids: B*K i32]
+// [weights: B*K f32] ... at HEADER_BYTES: [xs: K x I bf16, batch row b's expert activations].
+//
+// Per batch row b: its K activation rows are staged (cp.async, L2), then warp w takes outputs
+// n = lo + w, lo + w + 8, ... For one output the slots are visited in groups of kJ: each lane
+// keeps kJ x kV 16-byte vectors of the chosen experts' rows W[e, n] in flight (weights, read-only
+// path; no stream because the address depends on this step's ids: issue 12), and one fp32 dot
+// per slot; after a group, its slots are rounded, weighted, rounded and added to the running
+// fp32 sum in slot order, so the sum is the reference's. An id outside [0, E) adds nothing.
+// Register use stays small (inlined into the all-kinds dispatch switch): kJ x kV vectors and kJ
+// sums, indexed by compile-time constants; outer loops not unrolled.
+#pragma once
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "../common/bf16.cuh"
+#include "../common/memory.cuh"
+#include "../common/reduce.cuh"
+#include "../common/split.cuh"
+
+namespace mpk::kinds::moe_down {
+namespace detail {
+
+using bf16 = __nv_bfloat16;
+constexpr int kWarps = NUM_THREADS / 32;
+constexpr int kJ = 4;          // slots per group
+constexpr int kV = 2;          // vectors per slot row in flight per lane
+constexpr int kAlign = 8;      // task.py ALIGN
+constexpr int kHeader = 2048;  // task.py HEADER_BYTES
+
+struct Row {  // batch row b, as this task sees it
+  const bf16* w;   // weight [E, H, I]
+  const int* ids;  // smem: row b's K ids
+  const float* ws; // smem: row b's K routing weights
+  unsigned xs;     // smem address of row b's K staged activations
+  int H, I, E, K;
+};
+
+// Slot j's weight row W[e_j, n], or nullptr past the row's slots or for an id outside [0, E).
+// Recomputed from the staged id where it is needed: kJ pointers kept live would cost 2 kJ
+// registers across the loop.
+__device__ __forceinline__ const bf16* slot_row(const Row& r, int j, int n) {
+  const int e = j < r.K ? r.ids[j] : -1;
+  return 0 <= e && e < r.E ? r.w + ((long long)e * r.H + n) * r.I : nullptr;
+}
+
+// sum_j bf16(bf16(x[b, j] . W[e_j, n]) * w_j) in fp32, slot order (every lane returns it).
+__device__ __forceinline__ float output(const Row& r, int n, int lane) {
+  const int vpr = r.I / 8;
+  float total = 0.f;
+#pragma unroll 1
+  for (int j0 = 0; j0 < r.K; j0 += kJ) {
+    float acc[kJ];
+#pragma unroll
+    for (int jj = 0; jj < kJ; ++jj) acc[jj] = 0.f;
+#pragma unroll 1
+    for (int c = 0; c < vpr; c += 32 * kV) {
+      uint4 w[kJ][kV];
+#pragma unroll
+      for (int jj = 0; jj < kJ; ++jj) {
+        const bf16* row = slot_row(r, j0 + jj, n);
+#pragma unroll
+        for (int i = 0; i < kV; ++i) {
+          const int v = c + 32 * i + lane;
+          w[jj][i] = row != nullptr && v < vpr ? dev::ld_weight_v4(row + v * 8)
+                                               : make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+#pragma unroll
+      for (int jj = 0; jj < kJ; ++jj)
+#pragma unroll
+        for (int i = 0; i < kV; ++i) {
+          const int v = c + 32 * i + lane;
+          if (j0 + jj >= r.K || v >= vpr) continue;  // an invalid id's vectors are zeros
+          float fx[8], fw[8];
+          dev::unpack8(dev::lds_v4(r.xs + (unsigned)((j0 + jj) * r.I + v * 8) * 2u), fx);
+          dev::unpack8(w[jj][i], fw);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[jj] = fmaf(fx[e], fw[e], acc[jj]);
+        }
+    }
+#pragma unroll
+    for (int jj = 0; jj < kJ; ++jj) {
+      if (slot_row(r, j0 + jj, n) != nullptr) {  // warp-uniform
+        const float down = dev::round_bf16(dev::warp_sum(acc[jj]));
+        total = __fadd_rn(total, dev::round_bf16(__fmul_rn(down, r.ws[j0 + jj])));
+      }
+    }
+  }
+  return total;
+}
+
+}  // namespace detail
+
+MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
+  using namespace detail;
+  const int B = a.i(P_BATCH), H = a.i(P_HIDDEN), I = a.i(P_INTER), K = a.i(P_TOP_K);
+  const int E = a.i(P_NUM_EXPERTS);
+  int lo, hi;
+  dev::split_bounds(H, a.i(P_TASKS), kAlign, a.point(0), lo, hi);
+  const int* gids = a.operand<const int>(O_EXPERT_IDS);
+  const bf16* gws = a.operand<const bf16>(O_EXPERT_WEIGHTS);
+  const bf16* x = a.operand<const bf16>(O_X);
+  const bf16* weight = a.operand<const bf16>(O_WEIGHT);
+  const bf16* res = reinterpret_cast<const bf16*>(a.base[O_RESIDUAL]);
+  bf16* out = reinterpret_cast<bf16*>(a.base[O_OUT]);
+  // Nothing below reads `a`: its slot pointer is one of the values the all-kinds build keeps in
+  // local memory, and every late read of it is a reload (ptxas spill loads).
+  const int BK = B * K, tid = threadIdx.x, lane = tid & 31;
+  int* ids = reinterpret_cast<int*>(a.smem);
+  float* ws = reinterpret_cast<float*>(ids + BK);
+  bf16* xs = reinterpret_cast<bf16*>(a.smem + kHeader);
+  for (int i = tid; i < BK; i += NUM_THREADS) {  // activations: L2 loads
+    ids[i] = dev::ld_act_i32(gids + i);
+    ws[i] = dev::ld_act_bf16f(gws + i);
+  }
+  const int kvpr = K * I / 8;  // 16-byte vectors of one row's K activations
+  Row r{weight, ids, ws, dev::smem_addr(xs), H, I, E, K};
+#pragma unroll 1
+  for (int b = 0; b < B; ++b) {
+    if (b > 0) mpk::task_sync();  // every warp is done with row b-1's activations
+    for (int v = tid; v < kvpr; v += NUM_THREADS)
+      dev::cp_async_act16(xs + v * 8, x + (long long)b * K * I + v * 8);
+    dev::cp_async_wait_all();
+    mpk::task_sync();  // also publishes ids / ws (first row)
+    r.ids = ids + b * K;
+    r.ws = ws + b * K;
+#pragma unroll 1
+    for (int n = lo + (tid >> 5); n < hi; n += kWarps) {
+      const float total = output(r, n, lane);
+      if (lane == 0) {
+        const long long off = (long long)b * H + n;
+        const float resid = dev::ld_act_bf16f(res + off);
+        out[off] = dev::to_bf16(__fadd_rn(resid, dev::round_bf16(total)));
+      }
+    }
+  }
+}
+
+}  // namespace mpk::kinds::moe_down

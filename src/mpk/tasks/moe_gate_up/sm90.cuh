@@ -1,0 +1,177 @@
+// moe_gate_up, sm_90a: for slot u (the u-th smallest distinct chosen expert) and range t of the
+// expert width, out[b, j, n] = silu_mul(bf16(x[b] . gate[e, n]), bf16(x[b] . up[e, n])) for every
+// (b, j) that chose e (semantics in task.py).
+//
+// Layouts: x [B, H], expert_ids [B, K], weight [E, 2, I, H] are whole (operand = tensor start);
+// out [B, K, I] is addressed from its base: pair i = b*K + j, element n at out + i*I + n.
+// Shared scratch (task.py HEADER_BYTES + min(B, MAX_PAIRS) rows): [bits: 16 u32][ids: B*K i32]
+// [pairs: B*K i32][npairs] ... at HEADER_BYTES: [xs: up to min(B, kMaxPairs) rows of x, H bf16].
+//
+// 1. The ids (an activation: L2 loads) go to shared memory and set one bit per valid expert in a
+//    512-bit map; every thread finds the slot's expert (the u-th set bit) itself. A slot past the
+//    number of distinct experts has no pairs and does nothing more.
+// 2. Warp 0 lists the pairs i = b*K + j with ids[i] == expert (a ballot per 32 ids).
+// 3. Pairs in groups of up to kMaxPairs: the group's x rows are staged (cp.async, L2), then warp
+//    w takes rows n = lo + w, lo + w + 8, ... of the range: each lane keeps kV 16-byte vectors of
+//    the gate row and kV of the up row in flight (weights, read-only path; their address depends
+//    on the router's ids, so there is no stream: issue 12), and accumulates one fp32 dot per pair
+//    and matrix. Lane p stores pair p's output. Only when more than kMaxPairs rows chose the
+//    expert is there a second group, which reads its rows again (from L2).
+// Register use stays small (inlined into the all-kinds dispatch switch): 2 kV vectors and
+// 2 kMaxPairs sums, every array indexed by compile-time constants, outer loops not unrolled.
+// kV, kMaxPairs (and moe_down's kJ, kV, moe_router's kLoads) were picked among tunings of equal
+// bytes in flight by the all-kinds build's spills (tests/cuda/test_nvcc_build.py says why).
+#pragma once
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "../common/bf16.cuh"
+#include "../common/memory.cuh"
+#include "../common/reduce.cuh"
+#include "../common/split.cuh"
+
+namespace mpk::kinds::moe_gate_up {
+namespace detail {
+
+using bf16 = __nv_bfloat16;
+constexpr int kWarps = NUM_THREADS / 32;
+constexpr int kV = 4;         // vectors of each of the gate and up rows in flight per lane
+constexpr int kMaxPairs = 8;  // pairs (x rows) per pass over the expert's rows
+constexpr int kAlign = 8;     // task.py ALIGN
+constexpr int kHeader = 2048; // task.py HEADER_BYTES
+
+// Rows n = lo + warp, +kWarps, ... < hi of expert `expert`, for the ng staged pairs.
+__device__ __forceinline__ void rows(const bf16* wgate, long long up_off, unsigned xs, int H,
+                                     int I, int lo, int hi, int ng, const int* pairs, bf16* out) {
+  const int lane = threadIdx.x & 31, vpr = H / 8;
+#pragma unroll 1
+  for (int n = lo + (threadIdx.x >> 5); n < hi; n += kWarps) {
+    const bf16* wg = wgate + (long long)n * H;
+    float ag[kMaxPairs], au[kMaxPairs];
+#pragma unroll
+    for (int p = 0; p < kMaxPairs; ++p) ag[p] = au[p] = 0.f;
+#pragma unroll 1
+    for (int c = 0; c < vpr; c += 32 * kV) {
+      uint4 g[kV], u[kV];
+#pragma unroll
+      for (int i = 0; i < kV; ++i) {
+        const int v = c + 32 * i + lane;
+        const bool ok = v < vpr;
+        g[i] = ok ? dev::ld_weight_v4(wg + v * 8) : make_uint4(0u, 0u, 0u, 0u);
+        u[i] = ok ? dev::ld_weight_v4(wg + up_off + v * 8) : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int i = 0; i < kV; ++i) {
+        const int v = c + 32 * i + lane;
+        if (v >= vpr) continue;
+        float fg[8], fu[8];
+        dev::unpack8(g[i], fg);
+        dev::unpack8(u[i], fu);
+#pragma unroll
+        for (int p = 0; p < kMaxPairs; ++p) {
+          if (p < ng) {
+            float fx[8];
+            dev::unpack8(dev::lds_v4(xs + (unsigned)(p * H + v * 8) * 2u), fx);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+              ag[p] = fmaf(fx[e], fg[e], ag[p]);
+              au[p] = fmaf(fx[e], fu[e], au[p]);
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int p = 0; p < kMaxPairs; ++p) {
+      if (p < ng) {  // ng is warp-uniform: the shuffles see every lane
+        const float gs = dev::warp_sum(ag[p]), us = dev::warp_sum(au[p]);
+        if (lane == p)
+          out[(long long)pairs[p] * I + n] =
+              dev::to_bf16(dev::silu_mul_f32(dev::round_bf16(gs), dev::round_bf16(us)));
+      }
+    }
+  }
+}
+
+}  // namespace detail
+
+MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
+  using namespace detail;
+  const int B = a.i(P_BATCH), H = a.i(P_HIDDEN), I = a.i(P_INTER), K = a.i(P_TOP_K);
+  const int E = a.i(P_NUM_EXPERTS), T = a.i(P_TILES), slot = a.point(0), tile = a.point(1);
+  const int* gids = a.operand<const int>(O_EXPERT_IDS);
+  const bf16* x = a.operand<const bf16>(O_X);
+  const bf16* weight = a.operand<const bf16>(O_WEIGHT);
+  bf16* out = reinterpret_cast<bf16*>(a.base[O_OUT]);
+  // Nothing below reads `a`: its slot pointer is one of the values the all-kinds build keeps in
+  // local memory, and every late read of it is a reload (ptxas spill loads).
+  const int BK = B * K, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  unsigned* bits = reinterpret_cast<unsigned*>(a.smem);
+  int* ids = reinterpret_cast<int*>(a.smem + 64);
+  int* pairs = ids + BK;
+  int* npairs = pairs + BK;
+  bf16* xs = reinterpret_cast<bf16*>(a.smem + kHeader);
+
+  // 1. the expert map and this slot's expert
+  if (tid < 16) bits[tid] = 0u;
+  mpk::task_sync();
+  for (int i = tid; i < BK; i += NUM_THREADS) {
+    const int e = dev::ld_act_i32(gids + i);
+    ids[i] = e;
+    if (0 <= e && e < E) atomicOr(bits + (e >> 5), 1u << (e & 31));  // others: ignored
+  }
+  mpk::task_sync();
+  int expert = -1;
+  {
+    int left = slot;
+#pragma unroll 1
+    for (int w = 0; w < (E + 31) / 32; ++w) {
+      unsigned m = bits[w];
+      const int c = __popc(m);
+      if (left < c) {
+        for (; left > 0; --left) m &= m - 1u;  // drop the lowest set bits before ours
+        expert = w * 32 + __ffs(m) - 1;
+        break;
+      }
+      left -= c;
+    }
+  }
+
+  // 2. the pairs that chose it (none for an unused slot: expert -1; no early return, which
+  // costs a spill reload at the runtime's join in the all-kinds build)
+  if (warp == 0) {
+    int n = 0;
+#pragma unroll 1
+    for (int i0 = 0; i0 < BK; i0 += 32) {
+      const int i = i0 + lane;
+      const bool hit = expert >= 0 && i < BK && ids[i] == expert;
+      const unsigned m = __ballot_sync(0xffffffffu, hit);
+      if (hit) pairs[n + __popc(m & ((1u << lane) - 1u))] = i;
+      n += __popc(m);
+    }
+    if (lane == 0) *npairs = n;
+  }
+  mpk::task_sync();
+  const int np = *npairs;
+
+  // 3. groups of pairs: stage their x rows, then the range's rows of the expert
+  int lo, hi;
+  dev::split_bounds(I, T, kAlign, tile, lo, hi);
+  const bf16* wgate = weight + (long long)expert * 2 * I * H;
+  const int group = min(B, kMaxPairs), vpr = H / 8;
+#pragma unroll 1
+  for (int g0 = 0; g0 < np; g0 += group) {
+    const int ng = min(group, np - g0);
+    if (g0 > 0) mpk::task_sync();  // every warp is done with the previous group's rows
+    for (int idx = tid; idx < ng * vpr; idx += NUM_THREADS) {
+      const int p = idx / vpr, v = idx - p * vpr;
+      const int b = pairs[g0 + p] / K;
+      dev::cp_async_act16(xs + p * H + v * 8, x + (long long)b * H + v * 8);
+    }
+    dev::cp_async_wait_all();
+    mpk::task_sync();
+    rows(wgate, (long long)I * H, dev::smem_addr(xs), H, I, lo, hi, ng, pairs + g0, out);
+  }
+}
+
+}  // namespace mpk::kinds::moe_gate_up
