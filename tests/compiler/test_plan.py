@@ -46,11 +46,10 @@ def test_waits_never_exceed_the_record_and_point_backwards_or_to_the_previous_st
             producers.setdefault(int(rec[record.SIGNALS + s]), []).append(int(rec[record.TASK]))
     for rec in plan.records():
         assert rec[record.NUM_WAITS] <= record.MAX_WAITS
-        for w in range(rec[record.NUM_WAITS]):
-            c, count, prev = rec[record.WAITS + 3 * w: record.WAITS + 3 * w + 3]
-            assert count == len(producers[int(c)]) == plan.counter_counts[c]
+        for c, count, prev in record.decode_waits(rec):
+            assert count == len(producers[c]) == plan.counter_counts[c]
             if not prev:
-                assert max(producers[int(c)]) < rec[record.TASK]
+                assert max(producers[c]) < rec[record.TASK]
 
 
 def test_swapped_lists_deadlock_is_reported() -> None:

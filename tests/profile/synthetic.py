@@ -89,8 +89,7 @@ def _ready(rec: np.ndarray, step: int, earliest: int,
            signals: dict[int, list[int]]) -> int | None:
     """When all waits of `rec` in `step` are met (None: not yet known to be met)."""
     ready = earliest
-    for w in range(rec[record.NUM_WAITS]):
-        c, count, prev = (int(x) for x in rec[record.WAITS + 3 * w: record.WAITS + 3 * w + 3])
+    for c, count, prev in record.decode_waits(rec):
         target = (step + 1 - prev) * count
         if target <= 0:
             continue
