@@ -4,13 +4,25 @@ layer wrong (the CPU interpreter stands in for the GPU on both sides)."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from mpk.backends.cpu.interpreter import CpuExecutor
-from mpk.check import BF16_TOL, CheckRow, _compare, run_check, token_row
+from mpk.check import (
+    BF16_TOL,
+    REFERENCE_TOL,
+    CheckRow,
+    _compare,
+    run_check,
+    slice_config,
+    token_row,
+)
+from mpk.cli import _check_layers, main
 from mpk.compiler.plan import Plan
+from mpk.errors import UnsupportedError
 from mpk.models.config import get_preset
 from mpk.models.weights import random_weights
 
@@ -124,5 +136,72 @@ def test_the_whole_model_launch_is_checked_against_the_chain() -> None:
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-llama"])
 def test_cpu_check_of_a_preset(preset: str) -> None:
-    rows = run_check(get_preset(preset), range(0, 2), "cpu", seed=0)
+    rows = run_check(get_preset(preset), range(2), "cpu", seed=0)
     assert rows and all(r.passed for r in rows), [r for r in rows if not r.passed]
+
+
+def test_cpu_check_of_a_moe_model_covers_both_kinds_of_layer() -> None:
+    """tiny-qwen3-moe: layers 0 and 2 route through experts, layer 1 (mlp_only) is dense. Each
+    is checked on its own one-layer plan of its own kind, at the dense path's tolerances."""
+    cfg = get_preset("tiny-qwen3-moe")
+    assert [cfg.is_moe_layer(i) for i in range(3)] == [True, False, True]
+    rows = run_check(cfg, range(3), "cpu", seed=0)
+    assert all(r.passed for r in rows), [r for r in rows if not r.passed]
+    tol = {r.tensor: r.tolerance for r in rows}
+    for layer in range(3):
+        assert tol[f"hidden after layer {layer}"] == BF16_TOL
+        assert tol[f"k_cache.{layer}"] == BF16_TOL
+    for layer in (0, 2):  # the router and the experts of each MoE layer
+        assert tol[f"layers.{layer}.expert_ids"] == 0.0  # ids: exact
+        assert tol[f"layers.{layer}.expert_act"] == BF16_TOL
+        assert f"layers.{layer}.act" not in tol
+        assert f"whole model: layers.{layer}.expert_act" in tol
+    assert tol["layers.1.act"] == BF16_TOL  # the dense MLP's activation
+    assert not any(name.startswith("layers.1.expert") for name in tol)
+    assert "whole model: layers.1.act" in tol
+    assert tol["whole model: logits vs reference model"] == REFERENCE_TOL
+    assert {"logits", "whole model: logits"} <= set(tol)
+
+
+def test_slicing_a_moe_model_keeps_each_layers_kind() -> None:
+    cfg = dataclasses.replace(get_preset("qwen3-30b-a3b"), decoder_sparse_step=2,
+                              mlp_only_layers=(5, 6))
+    for layers in (range(1), range(1, 2), range(3, 8), range(48)):
+        cut = slice_config(cfg, layers)
+        assert cut.num_layers == len(layers)
+        assert [cut.is_moe_layer(i) for i in range(len(layers))] == \
+            [cfg.is_moe_layer(i) for i in layers]
+    assert slice_config(get_preset("tiny-qwen3"), range(1, 2)).mlp_only_layers == ()
+    # The default range of `mpk check`: both kinds where a MoE model has both.
+    assert _check_layers(get_preset("tiny-qwen3-moe")) == range(2)
+    assert _check_layers(get_preset("qwen3-30b-a3b")) == range(1)  # experts only
+    assert _check_layers(get_preset("tiny-qwen3")) == range(1)
+    with pytest.raises(UnsupportedError, match="layers 2-4 are out of range: tiny-qwen3-moe "
+                                               "has layers 0-2"):
+        run_check(get_preset("tiny-qwen3-moe"), range(2, 5), "cpu")
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_mpk_check_of_a_moe_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, _ = _cli(capsys, "check", "--model", "tiny-qwen3-moe", "--backend", "cpu",
+                        "--json")
+    result = json.loads(out)
+    assert code == 0 and result["passed"] and result["layers"] == [0, 1]
+    names = {r["tensor"] for r in result["rows"]}
+    assert {"layers.0.expert_act", "layers.1.act"} <= names
+    # Misconfigured: one `mpk: error:` line each, no traceback.
+    code, _, err = _cli(capsys, "check", "--model", "tiny-qwen3-moe", "--layers", "1-3",
+                        "--backend", "cpu")
+    assert code == 2 and err.strip() == ("mpk: error: --layers 1-3 is out of range: "
+                                         "tiny-qwen3-moe has layers 0-2")
+    hf = get_preset("tiny-qwen3-moe").to_hf() | {"mlp_only_layers": [1, 3]}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    code, _, err = _cli(capsys, "check", "--checkpoint", str(tmp_path), "--backend", "cpu")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("mpk: error: ")
+    assert "mlp_only_layers must be a sorted tuple of distinct layer indices in [0, 3)" in lines[0]

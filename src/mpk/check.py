@@ -3,10 +3,11 @@
 Comparing two whole runs of a deep model cannot tell a wrong layer from legitimate rounding:
 bf16 differences of ~1e-3 per layer compound, and on random weights layer 28's buffers of a
 correct GPU run are 1-2% off the interpreter's. So each layer is checked on its own (correctness
-gate 4): both sides run the same ONE-LAYER plan (layer L's weights renumbered as layer 0), one
-decode step per launch, fed the same inputs: the hidden state the backend itself produced before
-layer L (injected through the embedding: a table whose row i is that hidden row, prompt ids
-0..B-1) and the KV history the backend wrote for layer L. Every activation both sides hold is
+gate 4): both sides run the same ONE-LAYER plan (layer L's weights renumbered as layer 0; a
+MoE model's dense and expert layers each get a plan of their own kind), one decode step per
+launch, fed the same inputs: the hidden state the backend itself produced before layer L
+(injected through the embedding: a table whose row i is that hidden row, prompt ids 0..B-1)
+and the KV history the backend wrote for layer L. Every activation both sides hold is
 compared, plus 'hidden' after the layer, the new KV entries, and, after the last layer, the
 logits and sampled tokens. The backend's output then feeds layer L+1, on both sides, so an error
 is reported at the layer that makes it and cannot grow downstream.
@@ -38,6 +39,7 @@ from mpk.compiler.lower import compile_graph
 from mpk.compiler.plan import Plan
 from mpk.dtypes import DType
 from mpk.engine.bind import bind_model
+from mpk.errors import UnsupportedError
 from mpk.models.builder import DecodeShape, build_graph
 from mpk.models.config import ModelConfig
 from mpk.models.reference import ReferenceModel
@@ -68,8 +70,20 @@ class CheckRow:
 
 
 def slice_config(cfg: ModelConfig, layers: range) -> ModelConfig:
-    """The model with only `layers` (renumbered from 0): same shapes, fewer layers."""
-    return dataclasses.replace(cfg, num_layers=len(layers))
+    """The model with only `layers` (renumbered from 0): same shapes, fewer layers, each of the
+    kind it was (a MoE model's dense layers become the slice's mlp_only_layers)."""
+    if not layers or layers.step != 1 or layers.start < 0 or layers.stop > cfg.num_layers:
+        raise UnsupportedError(f"layers {_span(layers)} are out of range: "
+                               f"{cfg.name or 'the model'} has layers 0-{cfg.num_layers - 1}")
+    moe = {}
+    if cfg.is_moe:
+        moe = {"decoder_sparse_step": 1, "mlp_only_layers": tuple(
+            i for i, layer in enumerate(layers) if not cfg.is_moe_layer(layer))}
+    return dataclasses.replace(cfg, num_layers=len(layers), **moe)
+
+
+def _span(layers: range) -> str:
+    return str(layers.start) if len(layers) == 1 else f"{layers.start}-{layers.stop - 1}"
 
 
 def slice_weights(weights: dict[str, torch.Tensor], layers: range) -> dict[str, torch.Tensor]:
@@ -134,12 +148,21 @@ class _LayerChain:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], shape: DecodeShape,
                  num_sms: int, make: ExecutorFactory, initial: dict[str, torch.Tensor]) -> None:
         self.cfg, self.weights, self.make, self.initial = cfg, weights, make, initial
-        self.one_cfg = slice_config(cfg, range(1))
+        self.num_sms = num_sms
         self.shape = dataclasses.replace(shape, steps_per_launch=1)
-        self.plan = compile_graph(build_graph(self.one_cfg, self.shape, num_sms=num_sms), num_sms)
-        embed = next(op for op in self.plan.ops if op.kind == "embedding")
-        names = {operand: self.plan.tensors[tid].name for operand, tid in embed.operands}
+        self.plans: dict[ModelConfig, Plan] = {}  # one per kind of layer (dense MLP, experts)
+        _, plan = self._plan(0)  # the embedding is not layer-scoped: same names in every plan
+        embed = next(op for op in plan.ops if op.kind == "embedding")
+        names = {operand: plan.tensors[tid].name for operand, tid in embed.operands}
         self.table, self.hidden = names["table"], names["out"]
+
+    def _plan(self, layer: int) -> tuple[ModelConfig, Plan]:
+        """The one-layer model of layer `layer` (its kind kept) and its plan."""
+        one = slice_config(self.cfg, range(layer, layer + 1))
+        if one not in self.plans:
+            graph = build_graph(one, self.shape, num_sms=self.num_sms)
+            self.plans[one] = compile_graph(graph, self.num_sms)
+        return one, self.plans[one]
 
     def run(self, prompt: torch.Tensor) -> tuple[list[CheckRow], dict[str, torch.Tensor]]:
         """All rows (worst step per tensor), and the backend's last-step buffers under the
@@ -164,13 +187,14 @@ class _LayerChain:
     def _layer(self, layer: int, prompt: torch.Tensor, hidden: list[torch.Tensor] | None
                ) -> tuple[list[CheckRow], list[dict[str, torch.Tensor]]]:
         last = layer == self.cfg.num_layers - 1
-        backend, interp = self.make(self.plan), create_executor(self.plan, "cpu")
+        one, plan = self._plan(layer)
+        backend, interp = self.make(plan), create_executor(plan, "cpu")
         table = None
         if hidden is not None:
-            spec = self.plan.tensor(self.table)
+            spec = plan.tensor(self.table)
             table = torch.zeros(spec.shape, dtype=DType(spec.dtype).torch)
         for ex in (backend, interp):
-            self._bind(ex, layer, table)
+            self._bind(ex, plan, one, layer, table)
         rows, outs = [], []
         batch = self.shape.batch
         for step in range(prompt.shape[0]):
@@ -188,7 +212,7 @@ class _LayerChain:
                 interp.write(kv, backend.read(kv))
             backend.run(1)
             interp.run(1)
-            got, want = _outputs(backend, self.plan), _outputs(interp, self.plan)
+            got, want = _outputs(backend, plan), _outputs(interp, plan)
             logits = want.get("logits")
             for name in got:
                 if _LAYER0.search(name):
@@ -203,11 +227,13 @@ class _LayerChain:
             outs.append(got)
         return rows, outs
 
-    def _bind(self, ex: Executor, layer: int, table: torch.Tensor | None) -> None:
-        """Layer `layer`'s weights as layer 0, and the whole model's initial KV noise of that
-        layer and page table (so the chain and the whole-model launch start alike)."""
+    def _bind(self, ex: Executor, plan: Plan, one: ModelConfig, layer: int,
+              table: torch.Tensor | None) -> None:
+        """Layer `layer`'s weights as layer 0 of `one` (its one-layer model, planned as `plan`),
+        and the whole model's initial KV noise of that layer and page table (so the chain and the
+        whole-model launch start alike)."""
         weights = slice_weights(self.weights, range(layer, layer + 1))
-        bind_model(ex, self.plan, self.one_cfg, self.shape, weights, seed=0)
+        bind_model(ex, plan, one, self.shape, weights, seed=0)
         for kv in ("k_cache", "v_cache"):
             ex.bind(f"{kv}.0", self.initial[f"{kv}.{layer}"].clone())
         ex.bind("page_table", self.initial["page_table"].clone())

@@ -13,9 +13,12 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from mpk.errors import MpkError
+
+if TYPE_CHECKING:
+    from mpk.models.config import ModelConfig
 
 # mpk.graph.graph.DEFAULT_NUM_SMS, spelled here so `mpk --help` does not import torch;
 # tests/backends/test_registry.py checks that the two agree.
@@ -206,8 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
         "  mpk check --model qwen3-0.6b --layers 0-3 --backend cuda --seed 1\n"
         "  mpk check --checkpoint ~/models/Qwen3-0.6B --layers 10-11 --backend cuda"), _cmd_check)
     _add_model_args(c)
-    c.add_argument("--layers", type=_layer_range, default=range(0, 1), metavar="A-B",
-                   help="layers to build and compare, e.g. 0-1 (default: 0)")
+    c.add_argument("--layers", type=_layer_range, default=None, metavar="A-B",
+                   help="layers to build and compare, e.g. 0-1 (default: 0; for a MoE model "
+                        "with dense layers, up to its first layer of the other kind)")
     _add_backend_arg(c)
     c.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     c.add_argument("--json", action="store_true", help="print the rows as one JSON object")
@@ -472,18 +476,19 @@ def _cmd_check(args: argparse.Namespace) -> int:
     backend = _backend(args)
     cfg = load_config(args.checkpoint) if args.checkpoint else get_preset(args.model)
     model = (cfg.name or args.checkpoint) if args.checkpoint else args.model
-    if args.layers.stop > cfg.num_layers:
-        raise MpkError(f"--layers {args.layers.start}-{args.layers.stop - 1} is out of range: "
+    layers = _check_layers(cfg) if args.layers is None else args.layers
+    if layers.stop > cfg.num_layers:
+        raise MpkError(f"--layers {layers.start}-{layers.stop - 1} is out of range: "
                        f"{model} has layers 0-{cfg.num_layers - 1}")
     # A preset's random weights are drawn for the slice alone (an 8B model's would not fit);
     # a checkpoint's layers are cut out of the whole model.
     weights = ModelSource(cfg, args.checkpoint).load("cpu") if args.checkpoint else None
-    rows = [_check_row(r) for r in run_check(cfg, layers=args.layers, backend=backend,
+    rows = [_check_row(r) for r in run_check(cfg, layers=layers, backend=backend,
                                              seed=args.seed, weights=weights)]
     failed = [r for r in rows if not r["passed"]]
     if args.json:
         print(json.dumps({"model": model, "backend": backend, "seed": args.seed,
-                          "layers": [args.layers.start, args.layers.stop - 1], "rows": rows,
+                          "layers": [layers.start, layers.stop - 1], "rows": rows,
                           "passed": not failed}))
     else:
         # A whole model gives ~16 rows per layer: past a screenful, the failures and the
@@ -491,7 +496,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         shown = rows if len(rows) <= CHECK_ROWS_SHOWN else failed + sorted(
             (r for r in rows if r["passed"]), key=lambda r: -r["rel_err"])[:10]
         _console().print(_table(
-            f"{model} layers {args.layers.start}-{args.layers.stop - 1}: {backend} vs the "
+            f"{model} layers {layers.start}-{layers.stop - 1}: {backend} vs the "
             f"interpreter, layer by layer" + ("" if shown is rows else
                                               " (failures and the 10 closest passes)"),
             ("tensor", "rel err", "tolerance", "ok"),
@@ -499,6 +504,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
               "yes" if r["passed"] else "NO") for r in shown]))
         print(f"{len(rows) - len(failed)} of {len(rows)} tensors within tolerance")
     return 1 if failed else 0
+
+
+def _check_layers(cfg: ModelConfig) -> range:
+    """mpk check's default --layers: layer 0, and for a MoE model with both kinds of layer
+    (dense MLP, experts) the layers up to the first one of the other kind."""
+    kind = cfg.is_moe_layer(0)
+    other = next((i for i in range(cfg.num_layers) if cfg.is_moe_layer(i) != kind), 0)
+    return range(other + 1)
 
 
 def _check_row(row: Any) -> dict[str, Any]:
