@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 
 from mpk.bench.baseline import DecodeLoop, StaticDecoder
+from mpk.bench.baseline_moe import route
 from mpk.bench.runner import bench_prompt
 from mpk.errors import UnsupportedError
-from mpk.models.config import get_preset
+from mpk.models.config import ModelConfig, get_preset
 from mpk.models.reference import ReferenceModel
 from mpk.models.weights import random_weights
+from mpk.testing import moe_top3_config
 
 PRESETS = ["tiny-qwen3", "tiny-llama"]
 MAX_SEQ = 64
@@ -132,12 +137,14 @@ def test_rejects_bad_shapes() -> None:
 
 
 @pytest.mark.parametrize("per_row", [False, True])
-def test_step_traces_as_one_graph(per_row: bool) -> None:
-    """The step compiles with fullgraph=True (no graph breaks, cache writes functionalized) and
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-moe"])
+def test_step_traces_as_one_graph(per_row: bool, preset: str) -> None:
+    """The step compiles with fullgraph=True (no graph breaks, cache writes functionalized; for
+    MoE the router's sort and the expert gather: no data-dependent shapes or host syncs) and
     computes what eager does. aot_eager checks the tracing on the CPU without a C++ compiler;
     on a GPU compile_step adds inductor and CUDA graphs on top."""
     torch._dynamo.reset()
-    cfg = get_preset("tiny-qwen3")
+    cfg = get_preset(preset)
     weights = _f32(random_weights(cfg, 8))
     prompt = bench_prompt(cfg, 2, 5, 8)
     eager = StaticDecoder(cfg, weights, MAX_SEQ, batch=2, dtype=torch.float32)
@@ -148,3 +155,118 @@ def test_step_traces_as_one_graph(per_row: bool) -> None:
         pos.fill_(t)
         assert compiled(prompt[:, t], pos).tolist() == eager(prompt[:, t], pos).tolist()
     torch.testing.assert_close(traced.layers[1].k_cache, eager.layers[1].k_cache)
+
+
+# ---- Qwen3-MoE -------------------------------------------------------------------------------
+#: tiny-qwen3-moe: 6 experts top-2 renormalised, layer 1 dense (mlp_only_layers); top3: 10
+#: experts top-3 NOT renormalised, layer 0 dense; step2: decoder_sparse_step 2 (layer 1 sparse).
+MOE_CONFIGS = {
+    "top2": lambda: get_preset("tiny-qwen3-moe"),
+    "top3": moe_top3_config,
+    "step2": lambda: dataclasses.replace(get_preset("tiny-qwen3-moe"), name="tiny-moe-step2",
+                                         decoder_sparse_step=2, mlp_only_layers=()),
+}
+
+
+def _fp32_tolerance(cfg: ModelConfig, max_seq: int) -> float:
+    """Relative logit tolerance between two fp32 implementations of the same function.
+
+    They differ only in summation order: a length-K reduction is off by about sqrt(K) * u
+    (u = 2^-24, rounding errors of random sign), and the errors of chained reductions add; a
+    layer chains ~10 (q/k/v, the q/k norms, scores, softmax x V, o_proj, the norm, gate/up,
+    down, router), then the final norm and lm_head. Summed worst case: ~2e-5 for the tiny
+    models. One flipped routing decision or greedy near-tie moves the logits by ~10%."""
+    k = max(cfg.hidden_size, cfg.intermediate_size, cfg.moe_intermediate_size,
+            cfg.num_heads * cfg.head_dim, max_seq)
+    return (10 * cfg.num_layers + 2) * math.sqrt(k) * 2.0**-24
+
+
+@pytest.mark.parametrize("which", sorted(MOE_CONFIGS))
+def test_moe_logits_match_reference(which: str) -> None:
+    """fp32 logits at every position of a prompt; the layers are MoE or dense as the config
+    says (mlp_only_layers, decoder_sparse_step)."""
+    cfg = MOE_CONFIGS[which]()
+    weights = random_weights(cfg, 3)
+    prompt = bench_prompt(cfg, 1, 12, 3)
+    ref = ReferenceModel(cfg, weights, MAX_SEQ, activation_dtype=torch.float32)
+    expected = ref(prompt, 0)[0]
+    model = StaticDecoder(cfg, _f32(weights), MAX_SEQ, dtype=torch.float32)
+    assert [layer.moe for layer in model.layers] == \
+        [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
+    assert not all(layer.moe for layer in model.layers)  # a dense layer is covered
+    got = torch.stack([model.logits(prompt[:, t], torch.tensor(t))[0]
+                       for t in range(prompt.shape[1])])
+    err = (got - expected).norm() / expected.norm()
+    assert err < _fp32_tolerance(cfg, MAX_SEQ), err
+
+
+@pytest.mark.parametrize("which", ["top2", "top3"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_moe_greedy_tokens_match_reference(which: str, batch: int) -> None:
+    """32 greedy tokens after a prompt fed one token per step, each row its own prompt: the
+    reference's tokens (it runs the prompts one at a time)."""
+    cfg = MOE_CONFIGS[which]()
+    weights = random_weights(cfg, 11)
+    prompt = bench_prompt(cfg, batch, 8, 11 + batch)
+    ref = ReferenceModel(cfg, weights, MAX_SEQ, activation_dtype=torch.float32)
+    expected = ref.generate_greedy(prompt.tolist(), 32)
+    model = StaticDecoder(cfg, _f32(weights), MAX_SEQ, batch=batch, dtype=torch.float32)
+    loop = DecodeLoop(model, prompt, MAX_SEQ)
+    loop.prefill()
+    assert loop.generate(32).tolist() == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [True, False])
+def test_moe_routing_matches_reference_with_ties(dtype: torch.dtype, norm: bool) -> None:
+    """The router's ids and weights are the reference's, ties going to the lower expert id:
+    experts 1 and 4 tie for first and 0, 2, 3, 5 for third (top-3), also under
+    torch.compile(fullgraph=True). Random rows on top must route identically too."""
+    cfg = dataclasses.replace(get_preset("tiny-qwen3-moe"), num_experts_per_tok=3,
+                              norm_topk_prob=norm)
+    weights = random_weights(cfg, 5)
+    gate = weights["model.layers.0.mlp.gate.weight"]        # the router [E, H]
+    gate[:, 0] = 0.0
+    gate[4, 0] = gate[1, 0] = 1.0
+    rows = torch.randn(6, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    rows[:2] = 0.0
+    rows[0, 0] = 2.0   # logits [0, 2, 0, 0, 2, 0]; row 1: all experts tie
+    rows = rows.to(dtype)
+    ref = ReferenceModel(cfg, weights, MAX_SEQ, activation_dtype=dtype)
+    want_ids, want_w = ref.route(rows.float(), 0)
+    assert want_ids[:2].tolist() == [[1, 4, 0], [0, 1, 2]]
+    for fn in (route, torch.compile(route, backend="aot_eager", fullgraph=True)):
+        ids, w = fn(rows, gate.to(dtype), cfg.num_experts_per_tok, norm)
+        assert ids.tolist() == want_ids.tolist()
+        assert w.dtype == dtype
+        # fp32: summation order only; bf16: the same rounded values
+        torch.testing.assert_close(w.float(), want_w, rtol=0,
+                                   atol=1e-6 if dtype == torch.float32 else 0.0)
+
+
+def test_moe_bf16_shares_stacked_experts_and_stacks_per_expert_tensors() -> None:
+    """In bf16 the baseline indexes random_weights' stacked expert buffers in place (no second
+    copy of qwen3-30b-a3b's 57 GB next to MPK's); per-expert tensors, as a checkpoint loads
+    them, are stacked into the same layout: the same logits, close to the bf16 reference."""
+    cfg = get_preset("tiny-qwen3-moe")
+    weights = random_weights(cfg, 4)
+    shared = StaticDecoder(cfg, weights, MAX_SEQ)
+    for i, layer in enumerate(shared.layers):
+        if layer.moe:
+            p = f"model.layers.{i}.mlp.experts."
+            assert layer.experts_gate_up.data_ptr() == weights[p + "0.gate_proj.weight"].data_ptr()
+            assert layer.experts_down.data_ptr() == weights[p + "0.down_proj.weight"].data_ptr()
+    separate = {k: v.clone() for k, v in weights.items()}
+    stacked = StaticDecoder(cfg, separate, MAX_SEQ)
+    for a, b in zip(stacked.layers, shared.layers, strict=True):
+        if a.moe:
+            assert a.experts_gate_up.data_ptr() != b.experts_gate_up.data_ptr()
+            assert torch.equal(a.experts_gate_up, b.experts_gate_up)
+            assert torch.equal(a.experts_down, b.experts_down)
+    prompt = bench_prompt(cfg, 1, 10, 4)
+    expected = ReferenceModel(cfg, weights, MAX_SEQ)(prompt, 0)[0]   # bf16 roundings
+    for model in (shared, stacked):
+        got = torch.stack([model.logits(prompt[:, t], torch.tensor(t))[0] for t in range(10)])
+        assert got.isfinite().all()
+        err = (got - expected).norm() / expected.norm()
+        assert err < 3e-2, err

@@ -37,6 +37,15 @@ def test_bytes_per_token_matches_reference_table() -> None:
     assert round(weight_bytes_per_token(get_preset("llama-3.2-1b")) / 1e9, 2) == 2.47
 
 
+def test_bytes_per_token_of_a_moe_model_counts_the_chosen_experts() -> None:
+    """qwen3-30b-a3b reads 8 of its 128 experts per MoE layer at least (the floor at any batch),
+    not its 61 GB of weights: 2.46 GB outside the experts plus 48 x 8 x 9.4 MB."""
+    cfg = get_preset("qwen3-30b-a3b")
+    untied_embed = cfg.vocab_size * cfg.hidden_size
+    assert weight_bytes_per_token(cfg) == 2 * (cfg.active_params - untied_embed)
+    assert round(weight_bytes_per_token(cfg) / 1e9, 2) == 6.08
+    assert weight_bytes_per_token(cfg) < cfg.weight_bytes / 10
+
 def test_floor_and_percent() -> None:
     assert floor_ms(4e9, 4e12) == pytest.approx(1.0)
     assert floor_ms(1.19e9, 4.0e12) == pytest.approx(0.2975)

@@ -12,6 +12,10 @@ not share code (or bugs) with the system it is compared against.
 Every shape is static and the position is a device tensor, never a Python int: a Python int
 would be baked into the graph (a recompile per position), and slicing the cache to the current
 length would change shapes. Hence the mask over all max_seq slots.
+
+Qwen3-MoE's sparse layers (baseline_moe.py) keep their experts stacked and index the stack with
+the step's top-k ids, as gpt-fast's MoE models do; a MoE model's dense layers (mlp_only_layers,
+decoder_sparse_step) keep the dense MLP below.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpk.bench.baseline_moe import moe_mlp, stack_experts
 from mpk.errors import UnsupportedError
 from mpk.models.config import ModelConfig
 from mpk.models.rope import rope_table
@@ -68,10 +73,18 @@ class _Layer(nn.Module):
         self.register_buffer("wqkv", torch.cat([w("self_attn.q_proj.weight"),
                                                 w("self_attn.k_proj.weight"),
                                                 w("self_attn.v_proj.weight")]))
-        self.register_buffer("wgu", torch.cat([w("mlp.gate_proj.weight"),
-                                               w("mlp.up_proj.weight")]))
         self.register_buffer("wo", w("self_attn.o_proj.weight"))
-        self.register_buffer("wdown", w("mlp.down_proj.weight"))
+        # A plain bool: dynamo specialises on it, so each layer traces only its own MLP.
+        self.moe = cfg.is_moe_layer(i)
+        if self.moe:
+            router, gate_up, down = stack_experts(cfg, weights, i, dtype)
+            self.register_buffer("router", router)          # [E, H]
+            self.register_buffer("experts_gate_up", gate_up)  # [E, 2, I, H]
+            self.register_buffer("experts_down", down)        # [E, H, I]
+        else:
+            self.register_buffer("wgu", torch.cat([w("mlp.gate_proj.weight"),
+                                                   w("mlp.up_proj.weight")]))
+            self.register_buffer("wdown", w("mlp.down_proj.weight"))
         self.register_buffer("input_norm", w("input_layernorm.weight"))
         self.register_buffer("post_norm", w("post_attention_layernorm.weight"))
         if cfg.qk_norm:
@@ -84,7 +97,8 @@ class _Layer(nn.Module):
 
 
 class StaticDecoder(nn.Module):
-    """A decoder LLM (Qwen3 or Llama 3) with a static KV cache; `forward` is one decode step.
+    """A decoder LLM (Qwen3, Llama 3 or Qwen3-MoE) with a static KV cache; `forward` is one
+    decode step.
 
     `dtype` is the storage and matmul dtype (bf16 for benchmarks; float32 for exact-ish tests).
     Positions must stay below max_seq (not checked: checking would need a host sync)."""
@@ -157,10 +171,15 @@ class StaticDecoder(nn.Module):
         for layer in self.layers:
             x = x + self._attention(layer, _rms_norm(x, layer.input_norm, cfg.rms_eps), pos,
                                     cos, sin, mask)
-            gate, up = F.linear(_rms_norm(x, layer.post_norm, cfg.rms_eps),
-                                layer.wgu).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.wdown)
+            x = x + self._mlp(layer, _rms_norm(x, layer.post_norm, cfg.rms_eps))
         return _rms_norm(x, self.norm, cfg.rms_eps)
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        if layer.moe:
+            return moe_mlp(x, layer.router, layer.experts_gate_up, layer.experts_down,
+                           self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+        gate, up = F.linear(x, layer.wgu).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.wdown)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         # Tied models read the embedding table whole as the lm_head.

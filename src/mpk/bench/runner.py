@@ -29,9 +29,13 @@ REPEATS = 3  # timed runs of `new_tokens` steps; the median is reported
 def weight_bytes_per_token(cfg: ModelConfig, elem_bytes: int = 2) -> int:
     """Weight bytes one decode step must read: every weight once, except that an untied
     model's embedding table is only indexed (one row, not counted); a tied table is also the
-    lm_head and is read whole. KV-cache reads are left out (small at these lengths)."""
+    lm_head and is read whole. KV-cache reads are left out (small at these lengths).
+
+    A MoE layer must read at least num_experts_per_tok experts (active_params): that is the
+    floor at any batch (all rows may pick the same experts); counting all experts would put
+    the floor above what either system reads at batch 1."""
     untied_embed = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size
-    return (cfg.num_params - untied_embed) * elem_bytes
+    return (cfg.active_params - untied_embed) * elem_bytes
 
 
 def bench_prompt(cfg: ModelConfig, batch: int, prompt_len: int, seed: int) -> torch.Tensor:
