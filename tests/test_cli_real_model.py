@@ -33,7 +33,7 @@ def test_readme_command_says_paris(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_chat_applies_the_template(capsys: pytest.CaptureFixture[str]) -> None:
     path = smollm2_gguf()
-    question = "What is the capital of France?"
+    question = "What is the capital of Germany?"
     code, out, err = run(capsys, "generate", "--model", "smollm2-135m", "--chat", "--prompt",
                          question, "--backend", "cpu", "--num-sms", "2", "--max-new-tokens",
                          "12", "--json")
@@ -42,7 +42,7 @@ def test_chat_applies_the_template(capsys: pytest.CaptureFixture[str]) -> None:
     want = load_tokenizer(path).encode(load_chat_template(path).prompt(question),
                                        add_special_tokens=False).ids
     assert result["prompt_ids"] == [want] and result["random_weights"] is False
-    assert "Paris" in result["text"][0], result["text"]
+    assert "Berlin" in result["text"][0], result["text"]
     assert result["token_ids"][0][-1] == 2  # stopped at <|im_end|>, the model's EOS
 
 

@@ -1,7 +1,13 @@
 """The README's quick start, run as written (but on a free port): `mpk serve` with the real
 SmolLM2-135M (its GGUF tokenizer, chat template and end-of-turn id) and the README's curl call,
-whose answer says Paris and stops at the end of the turn; a streamed request beside it (same
-batch) adds up to the same text."""
+whose answer says Berlin and stops at the end of the turn; a streamed request beside it (same
+batch) adds up to the same text.
+
+The question is Germany's capital, not France's: for the France chat prompt the model's first
+token is a near-tie ("The" leads "L" by 0.03 logit standard deviations in fp32, under
+tests/models/test_smollm2.py's NEAR_TIE of 0.099), so bf16 rounding that depends on the plan's
+batch picks either, and "L'Étoile, ..." never reaches the end of the turn. Germany's answer
+leads by >= 0.21 std at every token."""
 
 from __future__ import annotations
 
@@ -68,7 +74,7 @@ def test_readme_quick_start_says_paris() -> None:
             whole, chunks = whole_future.result(), stream_future.result()
         choice = whole["choices"][0]
         text = choice["message"]["content"]
-        assert "Paris" in text, text
+        assert "Berlin" in text, text
         # Stopped at <|im_end|> (the model's EOS), which the text leaves out.
         assert choice["finish_reason"] == "stop" and "<|im_end|>" not in text
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
