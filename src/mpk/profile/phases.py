@@ -84,10 +84,15 @@ def phase_rows(tl: Timeline) -> list[PhaseRow]:
     return rows
 
 
+def chain_us_per_step(rows: list[PhaseRow], num_steps: int) -> float:
+    """Every role's phase times its count, per step: the chain's length."""
+    return sum(r.phase_us * r.count for r in rows) / max(num_steps, 1)
+
+
 def phases_json(rows: list[PhaseRow], num_steps: int) -> dict[str, Any]:
-    """The rows, and per step the sum of every role's phase times its count per step."""
-    per_step = sum(r.phase_us * r.count for r in rows) / max(num_steps, 1)
-    return {"rows": [r.to_json() for r in rows], "chain_us_per_step": per_step,
+    """The rows and the chain's length per step."""
+    return {"rows": [r.to_json() for r in rows],
+            "chain_us_per_step": chain_us_per_step(rows, num_steps),
             "parts": list(PARTS), "doc": __doc__}
 
 
@@ -95,7 +100,7 @@ def render_phases(rows: list[PhaseRow], num_steps: int) -> Any:
     """A rich Table of the rows."""
     from rich.table import Table
 
-    per_step = sum(r.phase_us * r.count for r in rows) / max(num_steps, 1)
+    per_step = chain_us_per_step(rows, num_steps)
     t = Table(title=f"dependency chain per op role: {per_step:.1f} us per step, mean us over "
                     f"layers and steps (mpk/profile/phases.py)", title_justify="left")
     for i, name in enumerate(("op", "per step", "tasks", "phase", *PARTS, "mean body")):

@@ -50,7 +50,8 @@ class ProfileResult:
 
 def write_reports(tl: Timeline, out_dir: str | Path, *, bandwidth_bytes_per_s: float | None = None,
                   title: str | None = None, extra: dict[str, Any] | None = None,
-                  window_steps: int = WINDOW_STEPS) -> tuple[KindTable, dict[str, Any]]:
+                  window_steps: int = WINDOW_STEPS,
+                  phases: list[PhaseRow] | None = None) -> tuple[KindTable, dict[str, Any]]:
     """Write trace.json and sm_timeline.png (the first `window_steps` steps) and kinds.json (all
     steps) for `tl` into `out_dir`; returns the kind table and the summary written to kinds.json
     (`extra` is merged into it)."""
@@ -71,7 +72,7 @@ def write_reports(tl: Timeline, out_dir: str | Path, *, bandwidth_bytes_per_s: f
         "stamps_ms_per_step": tl.ns_per_step / 1e6, "timer_resolution_ns": resolution,
         "timer_coarse": resolution is not None and resolution > COARSE_TIMER_NS,
         **(extra or {}), "kinds": table.to_json(),
-        "phases": phases_json(phase_rows(tl), tl.num_steps),
+        "phases": phases_json(phase_rows(tl) if phases is None else phases, tl.num_steps),
     }
     (out / KINDS_FILE).write_text(json.dumps(summary, indent=1, default=str))
     return table, summary
@@ -157,9 +158,10 @@ def profile_model(cfg: ModelConfig, steps: int = 200, *, weights: dict[str, Any]
              "device": torch.cuda.get_device_name(device), "timing": timing,
              "bandwidth_bytes_per_s": bandwidth}
     title = f"{cfg.name or cfg.arch} batch {batch}: {steps} steps on {num_sms} SMs"
+    phases = phase_rows(tl)
     table, summary = write_reports(tl, out_dir, bandwidth_bytes_per_s=bandwidth, title=title,
-                                   extra=extra)
-    return ProfileResult(Path(out_dir), plan, tl, table, summary, timing, phase_rows(tl))
+                                   extra=extra, phases=phases)
+    return ProfileResult(Path(out_dir), plan, tl, table, summary, timing, phases)
 
 
 def summary_lines(result: ProfileResult) -> list[str]:

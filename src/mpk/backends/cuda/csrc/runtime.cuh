@@ -83,8 +83,9 @@ struct __align__(16) Slot {
   int step, index, stop, bad_kind;
   uint32_t page_seq;                          // ring sequence number of the record's page 0
   int pad[3];
-  unsigned long long t_ready, t_done;         // profiling stamps (after t_wait: probe scripts
-  unsigned long long t_mark[2];               // patch by that field's offset)
+  // Profiling stamps, placed last so t_wait keeps the offset scripts/probe_phases.py patches.
+  unsigned long long t_ready, t_done;
+  unsigned long long t_mark[2];               // the kind's INPUT and COMPUTE marks
 };
 
 // Barrier block in static shared memory: full[NUM_PAGES], empty[NUM_PAGES] (PageCursor relies
