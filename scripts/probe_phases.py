@@ -57,11 +57,11 @@ def stamp(value: str = "mpk::ptx::globaltimer()") -> str:
 
 STAMP = stamp()
 STAGE = "    stage_chunk(t, s, nw, ch);\n"
-CHUNK_END = "    mpk::task_sync();  // xs and acc are rewritten by the next chunk\n"
+CHUNK_END = "    if (ch + 1 < t.nch) mpk::task_sync();\n"
 FINISH = "  pc.finish();\n  if (t.argmax)"
 UNIT_MMA = "      mma_unit(chain.c, w, dev::lds_v4(x + j * xstep));\n"
-UNIT_W = "      const uint4 w = dev::lds_v4(pg + (uj % kPageUnits) * kUnitBytes);\n"
-FIRST_WAIT = "      if (!ptx::mbar_try_wait(bar, parity_of(cur))) {\n"
+UNIT_W = "      const uint4 w = dev::lds_v4(pg + ((unsigned)uj % kPageUnits) * kUnitBytes);\n"
+FIRST_WAIT = "      if (!ptx::mbar_try_wait(bar, parity)) {\n"
 TEST_WAIT = """__device__ __forceinline__ bool mbar_test_wait(uint32_t bar, uint32_t parity) {
   uint32_t done;
   asm volatile(
@@ -73,9 +73,9 @@ TEST_WAIT = """__device__ __forceinline__ bool mbar_test_wait(uint32_t bar, uint
   return done != 0;
 }
 """
-PAGE_WAIT = """      if (!ptx::mbar_try_wait(bar, parity_of(cur))) {
+PAGE_WAIT = """      if (!ptx::mbar_try_wait(bar, parity)) {
         const unsigned long long t0 = ptx::globaltimer();
-        while (!ptx::mbar_try_wait(bar, parity_of(cur)))
+        while (!ptx::mbar_try_wait(bar, parity))
           if (ptx::globaltimer() - t0 > (unsigned long long)limit_ns) __trap();
       }
 """

@@ -49,6 +49,18 @@ def test_linear_cuts_uneven_aligned_ranges() -> None:
         _graph().add_op("linear", "more", (13,), {"x": "x", "weight": "w", "out": "y"})
 
 
+def test_uneven_split_bounds_must_fit_32_bits() -> None:
+    # The kernels compute uneven split bounds with 32-bit quotients (tasks/common/split.cuh):
+    # 2^19 pieces of 8 rows times 2^13 tasks is 2^32, refused when the op is added.
+    g = Graph()
+    g.add_tensor("x", (1, 8), DType.BF16, Role.IO)
+    g.add_tensor("w", (1 << 22, 8), DType.BF16, Role.WEIGHT)
+    g.add_tensor("y", (1, 1 << 22), DType.BF16, Role.ACTIVATION)
+    with pytest.raises(GraphError, match=r"must stay below 2\^32"):
+        g.add_op("linear", "huge", (1 << 13,), {"x": "x", "weight": "w", "out": "y"})
+    g.add_op("linear", "fits", ((1 << 13) - 1,), {"x": "x", "weight": "w", "out": "y"})
+
+
 def test_grid_axis_must_split_outputs() -> None:
     g = _graph()
     g.add_tensor("nw", (64,), DType.BF16, Role.WEIGHT)

@@ -58,7 +58,10 @@ def test_real_task_kernels_compile_clean(cache_root: Path) -> None:
     operand value, stored and reloaded once per linear task (40 B stored, 44 B loaded; none in
     the MoE code). This allocation is chaotic: other MoE tunings (gate/up pairs per pass, down
     slots per group, router loads in flight) spilled the runtime's slot pointer instead, 112 B
-    of reloads at the start of every kind. The plans models compile stay at zero
+    of reloads at the start of every kind. Since the weight-page cursor keeps its ring slot
+    (fourth session): 44 B stored, each reloaded once per task (the consumer loop's index, five
+    attention addresses, the linear argmax outputs' pointers; read off the build's SASS). The
+    plans models compile stay at zero
     (test_qwen3_0_6b_megakernel_compiles_clean, the tensor-parallel one, the MoE ones;
     qwen3-8b, llama-3.2-1b and smollm2-135m were checked by hand)."""
     kinds = list(all_kinds())
@@ -68,7 +71,7 @@ def test_real_task_kernels_compile_clean(cache_root: Path) -> None:
         pytest.skip(f"no task kernels written yet (missing sm90.cuh: {', '.join(missing)})")
     result = build.compile_source(codegen.render_kinds(present), arch="sm_90a",
                                   cache_root=cache_root)
-    assert_clean(result, cold_spill_bytes=40)
+    assert_clean(result, cold_spill_bytes=44)
 
 
 def test_broken_source_raises_compile_error(cache_root: Path) -> None:

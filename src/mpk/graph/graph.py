@@ -150,6 +150,11 @@ def _check_splits(view: OpView, task: Any) -> None:
                                      f"the {-(-tensor.shape[dim] // align)} pieces of {align} "
                                      f"that dim {dim} (size {tensor.shape[dim]}) of tensor "
                                      f"'{tensor.name}' (operand {operand!r}) can be cut into")
+                if -(-tensor.shape[dim] // align) * view.grid[axis] >= 1 << 32:
+                    # tasks/common/split.cuh computes the bounds with 32-bit quotients
+                    raise view.error(f"grid axis {axis} ({view.grid[axis]} tasks) times the "
+                                     f"pieces of {align} of dim {dim} of tensor "
+                                     f"'{tensor.name}' must stay below 2^32")
             elif tensor.shape[dim] % view.grid[axis]:
                 raise view.error(f"grid axis {axis} ({view.grid[axis]} tasks) does not divide "
                                  f"dim {dim} (size {tensor.shape[dim]}) of tensor "

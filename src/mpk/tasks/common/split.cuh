@@ -4,11 +4,14 @@
 
 namespace mpk::dev {
 
+// 32-bit quotients: the kinds that split unevenly refuse grids with ceil(size / align) x parts
+// >= 2^32 (graph.py _check_splits). A 64-bit division is a ~70-instruction
+// software routine, and every thread of every such task computes these (ncu, perf-log).
 __device__ __forceinline__ void split_bounds(int size, int parts, int align, int index, int& lo,
                                              int& hi) {
-  const long long units = (size + align - 1) / align;
-  lo = (int)min((long long)size, align * ((long long)index * units / parts));
-  hi = (int)min((long long)size, align * ((long long)(index + 1) * units / parts));
+  const unsigned units = (unsigned)(size + align - 1) / (unsigned)align;
+  lo = (int)min((unsigned)size, (unsigned)align * ((unsigned)index * units / (unsigned)parts));
+  hi = (int)min((unsigned)size, (unsigned)align * ((unsigned)(index + 1) * units / (unsigned)parts));
 }
 
 }  // namespace mpk::dev

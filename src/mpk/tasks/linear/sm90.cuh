@@ -42,6 +42,7 @@ namespace detail {
 using bf16 = __nv_bfloat16;
 constexpr int kWarps = NUM_THREADS / 32;
 constexpr int kRows = 8;
+static_assert(kRows == 8, "task_of divides by the row alignment (8, or 4 for silu) with a shift");
 constexpr int kUnitK = 32;
 constexpr int kUnitBytes = 512;
 constexpr int kPageUnits = PAGE_BYTES / kUnitBytes;
@@ -235,7 +236,7 @@ __device__ __forceinline__ void page_units(uint32_t pg, int u, int stop, unsigne
     const int uj = u + j * kWarps;
     if (kWhole || uj < stop) {
       Acc& chain = (j & 1) ? extra : acc;
-      const uint4 w = dev::lds_v4(pg + (uj % kPageUnits) * kUnitBytes);
+      const uint4 w = dev::lds_v4(pg + ((unsigned)uj % kPageUnits) * kUnitBytes);
       mma_unit(chain.c, w, dev::lds_v4(x + j * xstep));
       if (two) mma_unit(chain.d, w, dev::lds_v4(x2 + j * xstep));
     }
@@ -265,14 +266,14 @@ __device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::
   unsigned xo = 0;  // byte offset of unit u's k group in the staged rows
 #pragma unroll 1
   for (int u = first; u < end;) {
-    const int page = u / kPageUnits;
+    const int page = (int)((unsigned)u / kPageUnits);
     const int stop = min(end, (page + 1) * kPageUnits);
     const uint32_t pg = pc.at(pbase + page) + lane * 16;
     if (u + (kWarpUnitsPerPage - 1) * kWarps < stop)  // the warp's whole round of this page
       page_units<true>(pg, u, stop, xrow + xo, xrow2 + xo, xstep, two, acc, extra);
     else
       page_units<false>(pg, u, stop, xrow + xo, xrow2 + xo, xstep, two, acc, extra);
-    const int taken = (stop - u + kWarps - 1) / kWarps;
+    const int taken = (int)((unsigned)(stop - u + kWarps - 1) / kWarps);
     u += taken * kWarps;
     xo += taken * xstep;
   }
@@ -430,7 +431,7 @@ __device__ __forceinline__ Task task_of(const mpk::TaskArgs& a) {
   t.eps = a.f(P_EPS);
   t.align = t.silu ? kRows / 2 : kRows;
   dev::split_bounds(t.N, t.T, t.align, a.point(0), t.n0, t.n1);
-  t.rgs = (t.n1 - t.n0 + t.align - 1) / t.align;
+  t.rgs = (t.n1 - t.n0 + t.align - 1) >> (t.silu ? 2 : 3);  // / align
   t.x = a.operand<const bf16>(O_X);
   // Whole-tensor pointers: the kernel indexes outputs by their global column.
   t.out = reinterpret_cast<void*>(a.base[O_OUT]);
@@ -549,7 +550,9 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
         }
       }
     }
-    mpk::task_sync();  // xs and acc are rewritten by the next chunk
+    // xs and acc are rewritten by the next chunk (after the last one the runtime's barrier ends
+    // the task: a second one here only made every warp wait twice).
+    if (ch + 1 < t.nch) mpk::task_sync();
   }
   pc.finish();
   if (t.argmax) write_argmax(t, s, best);

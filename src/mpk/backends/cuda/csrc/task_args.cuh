@@ -54,35 +54,49 @@ struct PageCursor {
   int count;       // pages of this task
   int cur;         // page this warp holds (waited for, not yet released); -1 before the first
   long long limit_ns;  // a page that has not landed after this long means a runtime bug: trap
+  // Ring slot of page `cur` with its full-barrier parity in bit 31 (set by the first at()).
+  // Kept as it moves instead of derived from seq: NUM_PAGES is rarely a power of two, and a
+  // division per page per warp sat on the walk's critical path (ncu source counters,
+  // perf-log). One register: the all-kinds build is at its local-memory allowance.
+  uint32_t held = 0;
 
   __device__ __forceinline__ uint32_t slot_of(int i) const { return (seq + i) % NUM_PAGES; }
-  __device__ __forceinline__ uint32_t parity_of(int i) const {
-    return ((seq + i) / NUM_PAGES) & 1u;
-  }
   // Shared-memory address of page i (0 <= i < count), after waiting for it to land.
   __device__ __forceinline__ uint32_t at(int i) {
     while (cur < i) {
-      if (cur >= 0) release(cur);
-      ++cur;
-      const uint32_t bar = full + 8u * slot_of(cur);
-      if (!ptx::mbar_try_wait(bar, parity_of(cur))) {
+      if (cur >= 0) release_held();
+      next();
+      const uint32_t bar = full + 8u * slot(), parity = held >> 31;
+      if (!ptx::mbar_try_wait(bar, parity)) {
         const unsigned long long t0 = ptx::globaltimer();
-        while (!ptx::mbar_try_wait(bar, parity_of(cur)))
+        while (!ptx::mbar_try_wait(bar, parity))
           if (ptx::globaltimer() - t0 > (unsigned long long)limit_ns) __trap();
       }
     }
-    return ring + slot_of(i) * (uint32_t)PAGE_BYTES;
-  }
-  // This warp is done reading page i (every lane's reads happen before lane 0's arrive).
-  __device__ __forceinline__ void release(int i) const {
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) ptx::mbar_arrive(full + 8u * (NUM_PAGES + slot_of(i)));
+    return ring + (i == cur ? slot() : slot_of(i)) * (uint32_t)PAGE_BYTES;
   }
   __device__ __forceinline__ void finish() {
     if (count == 0 || cur >= count) return;
     at(count - 1);
-    release(count - 1);
+    release_held();
     cur = count;
+  }
+
+ private:
+  __device__ __forceinline__ uint32_t slot() const { return held & 0x7fffffffu; }
+  __device__ __forceinline__ void next() {  // cur -> cur + 1
+    if (cur < 0)
+      held = seq % NUM_PAGES | ((seq / NUM_PAGES) & 1u) << 31;
+    else if (slot() + 1 == (uint32_t)NUM_PAGES)
+      held = (held & 0x80000000u) ^ 0x80000000u;  // slot 0, the next phase
+    else
+      ++held;
+    ++cur;
+  }
+  // This warp is done reading page `cur` (every lane's reads happen before lane 0's arrive).
+  __device__ __forceinline__ void release_held() const {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) ptx::mbar_arrive(full + 8u * (NUM_PAGES + slot()));
   }
 };
 
