@@ -20,14 +20,17 @@ def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("mpk-cache")
 
 
-def assert_clean(result: build.BuildResult, cold_spill_bytes: int = 0) -> None:
-    """No spills (up to `cold_spill_bytes` where a caller says why), registers under the cap."""
+def assert_clean(result: build.BuildResult, cold_spill_bytes: int = 0,
+                 cold_reload_bytes: int | None = None) -> None:
+    """No spills (up to `cold_spill_bytes` stored and `cold_reload_bytes`, default twice that,
+    reloaded, where a caller says why), registers under the cap."""
     report = result.ptxas()
     spilling = {name: f"{stack} B stack, {stores} B spill stores, {loads} B spill loads"
                 for name, (stack, stores, loads) in build.ptxas_functions(result.log).items()
                 if stores or loads}
     assert report["spill_stores"] <= cold_spill_bytes, (report, spilling)
-    assert report["spill_loads"] <= 2 * cold_spill_bytes, (report, spilling)
+    reload = 2 * cold_spill_bytes if cold_reload_bytes is None else cold_reload_bytes
+    assert report["spill_loads"] <= reload, (report, spilling)
     assert 0 < report["registers"] <= REGISTER_CAP, report
 
 
@@ -59,8 +62,9 @@ def test_real_task_kernels_compile_clean(cache_root: Path) -> None:
     the MoE code). This allocation is chaotic: other MoE tunings (gate/up pairs per pass, down
     slots per group, router loads in flight) spilled the runtime's slot pointer instead, 112 B
     of reloads at the start of every kind. Since the weight-page cursor keeps its ring slot
-    (fourth session): 44 B stored, each reloaded once per task (the consumer loop's index, five
-    attention addresses, the linear argmax outputs' pointers; read off the build's SASS). The
+    (fourth session): 44 B stored, 112 B reloaded at 28 places, each once per task or per KV
+    chunk (the consumer loop's index, five attention addresses, the linear argmax outputs'
+    pointers; none in a weight walk; read off the build's SASS). The
     plans models compile stay at zero
     (test_qwen3_0_6b_megakernel_compiles_clean, the tensor-parallel one, the MoE ones;
     qwen3-8b, llama-3.2-1b and smollm2-135m were checked by hand)."""
@@ -71,7 +75,7 @@ def test_real_task_kernels_compile_clean(cache_root: Path) -> None:
         pytest.skip(f"no task kernels written yet (missing sm90.cuh: {', '.join(missing)})")
     result = build.compile_source(codegen.render_kinds(present), arch="sm_90a",
                                   cache_root=cache_root)
-    assert_clean(result, cold_spill_bytes=44)
+    assert_clean(result, cold_spill_bytes=44, cold_reload_bytes=112)
 
 
 def test_broken_source_raises_compile_error(cache_root: Path) -> None:
