@@ -145,20 +145,24 @@ def _check_splits(view: OpView, task: Any) -> None:
                 raise view.error(f"operand {operand!r}: tensor '{tensor.name}' has "
                                  f"{len(tensor.shape)} dims, cannot split dim {dim}")
             if align is not None:
-                if -(-tensor.shape[dim] // align) < view.grid[axis]:
-                    raise view.error(f"grid axis {axis} ({view.grid[axis]} tasks) is larger than "
-                                     f"the {-(-tensor.shape[dim] // align)} pieces of {align} "
-                                     f"that dim {dim} (size {tensor.shape[dim]}) of tensor "
-                                     f"'{tensor.name}' (operand {operand!r}) can be cut into")
-                if -(-tensor.shape[dim] // align) * view.grid[axis] >= 1 << 32:
-                    # tasks/common/split.cuh computes the bounds with 32-bit quotients
-                    raise view.error(f"grid axis {axis} ({view.grid[axis]} tasks) times the "
-                                     f"pieces of {align} of dim {dim} of tensor "
-                                     f"'{tensor.name}' must stay below 2^32")
+                _check_aligned_split(view, operand, axis, dim, align)
             elif tensor.shape[dim] % view.grid[axis]:
                 raise view.error(f"grid axis {axis} ({view.grid[axis]} tasks) does not divide "
                                  f"dim {dim} (size {tensor.shape[dim]}) of tensor "
                                  f"'{tensor.name}' (operand {operand!r})")
+
+
+def _check_aligned_split(view: OpView, operand: str, axis: int, dim: int, align: int) -> None:
+    """Grid axis `axis` cuts dim `dim` of `operand` into uneven ranges of whole `align` pieces."""
+    tensor = view.tensors[operand]
+    pieces, tasks = -(-tensor.shape[dim] // align), view.grid[axis]
+    if pieces < tasks:
+        raise view.error(f"grid axis {axis} ({tasks} tasks) is larger than the {pieces} pieces "
+                         f"of {align} that dim {dim} (size {tensor.shape[dim]}) of tensor "
+                         f"'{tensor.name}' (operand {operand!r}) can be cut into")
+    if pieces * tasks >= 1 << 32:  # tasks/common/split.cuh computes the bounds in 32 bits
+        raise view.error(f"grid axis {axis} ({tasks} tasks) times the pieces of {align} of dim "
+                         f"{dim} of tensor '{tensor.name}' must stay below 2^32")
 
 
 def _check_partition(view: OpView, task: Any) -> None:
