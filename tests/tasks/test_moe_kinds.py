@@ -13,6 +13,7 @@ from mpk.compiler.lower import compile_graph
 from mpk.dtypes import DType
 from mpk.errors import GraphError
 from mpk.graph.graph import Graph
+from mpk.models.moe import add_router
 from mpk.tasks.moe_gate_up.task import checked_ids
 from mpk.tasks.moe_router.task import route
 from mpk.tensors import Role
@@ -37,10 +38,8 @@ def _graph(b: int, h: int, e: int, k: int, inter: int, renorm: bool, tiles: int,
     g.add_tensor("ids", (b, k), I32, Role.ACTIVATION)
     g.add_tensor("wts", (b, k), BF16, Role.ACTIVATION)
     g.add_tensor("act", (b, k, inter), BF16, Role.ACTIVATION)
-    g.add_op("moe_router", "router", (b,), {"x": "hidden", "norm_weight": "norm",
-                                            "weight": "gate", "x_norm": "xn",
-                                            "expert_ids": "ids", "expert_weights": "wts"},
-             eps=EPS, renormalize=renorm)
+    add_router(g, "", "hidden", "norm", "gate", "xn", "ids", "wts", eps=EPS, renormalize=renorm,
+               gate_tasks=-(-e // 8))
     g.add_op("moe_gate_up", "gate_up", (min(e, b * k), tiles),
              {"x": "xn", "expert_ids": "ids", "weight": "w13", "out": "act"})
     g.add_op("moe_down", "down", (down_tasks,),

@@ -108,7 +108,8 @@ def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = DEFAULT_NUM
     for layer in layers:
         _attention_block(g, cfg, shape, num_sms, layer, tp)
         if cfg.is_moe_layer(layer):
-            moe_block(g, cfg, shape.batch, num_sms, layer)
+            moe_block(g, cfg, shape.batch, num_sms, layer,
+                      spread(cfg.num_experts, num_sms, cfg.hidden_size, shape.batch))
         else:
             _mlp_block(g, cfg, shape, num_sms, layer, tp)
     _lm_head(g, cfg, shape, num_sms)

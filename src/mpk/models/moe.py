@@ -1,13 +1,17 @@
 """The mixture-of-experts block of a decode step (Qwen3-MoE), for builder.py.
 
-A MoE layer's MLP is three ops instead of the dense rmsnorm + gate_up + down:
-  moe_router   per batch row: the post-attention RMSNorm (x_norm), the router gate, softmax,
-               top-k and the routing weights (expert_ids, expert_weights);
+A MoE layer's MLP instead of the dense rmsnorm + gate_up + down (add_router, then two ops):
+  rmsnorm      the post-attention RMSNorm (x_norm, what the experts read), and beside it
+  linear       the router gate with the same RMSNorm as its prologue: bf16 logits, spread over
+               SMs like every linear (both read `hidden`, so they run in the same phase);
+  moe_router   per batch row: softmax, top-k and the routing weights (expert_ids,
+               expert_weights);
   moe_gate_up  a slot per distinct chosen expert x a range of the expert width: the chosen
                experts' gate/up projections and silu*mul for every (row, slot) that chose them;
   moe_down     a range of the hidden size per task: the chosen experts' down projections,
                weighted, summed and added to the residual, in place on `hidden`.
-The dependencies follow from the operands: gate_up reads x_norm and expert_ids (router),
+The dependencies follow from the operands: gate_up reads x_norm (rmsnorm) and expert_ids
+(router),
 down reads the activations (gate_up) and the ids / weights (router) and writes `hidden`,
 which the next layer's attention reads.
 
@@ -36,8 +40,27 @@ def expert_slots(cfg: ModelConfig, batch: int) -> int:
     return min(cfg.num_experts, batch * cfg.num_experts_per_tok)
 
 
-def moe_block(g: Graph, cfg: ModelConfig, batch: int, num_sms: int, layer: int) -> None:
-    """Add layer `layer`'s MoE MLP to g: router, experts' gate/up, experts' down (+ residual)."""
+def add_router(g: Graph, p: str, x: str, norm_weight: str, gate: str, x_norm: str, ids: str,
+               weights: str, *, eps: float, renormalize: bool, gate_tasks: int) -> None:
+    """The routing ops of one MoE layer (names prefixed by p): x_norm = RMSNorm(x), the bf16
+    router logits by a linear of `gate_tasks` tasks with the same RMSNorm as its prologue, and
+    moe_router's top-k ids and weights. Tests build routers with this too."""
+    b, e = g.tensors[x].shape[0], g.tensors[gate].shape[0]
+    g.add_tensor(p + "router_logits", (b, e), BF16, Role.ACTIVATION)
+    g.add_op("rmsnorm", p + "post_norm", (1,), {"x": x, "weight": norm_weight, "out": x_norm},
+             eps=eps)
+    g.add_op("linear", p + "router_gate", (gate_tasks,),
+             {"x": x, "norm_weight": norm_weight, "weight": gate, "out": p + "router_logits"},
+             prologue="rmsnorm", eps=eps)
+    g.add_op("moe_router", p + "router", (b,),
+             {"logits": p + "router_logits", "expert_ids": ids, "expert_weights": weights},
+             renormalize=renormalize)
+
+
+def moe_block(g: Graph, cfg: ModelConfig, batch: int, num_sms: int, layer: int,
+              gate_tasks: int) -> None:
+    """Add layer `layer`'s MoE MLP to g: the router (add_router, its gate linear in
+    `gate_tasks` tasks), experts' gate/up, experts' down (+ residual)."""
     p = f"layers.{layer}."
     h, e, k, inter = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                       cfg.moe_intermediate_size)
@@ -49,11 +72,9 @@ def moe_block(g: Graph, cfg: ModelConfig, batch: int, num_sms: int, layer: int) 
     g.add_tensor(p + "expert_ids", (batch, k), I32, Role.ACTIVATION)
     g.add_tensor(p + "expert_weights", (batch, k), BF16, Role.ACTIVATION)
     g.add_tensor(p + "expert_act", (batch, k, inter), BF16, Role.ACTIVATION)
-    g.add_op("moe_router", p + "router", (batch,),
-             {"x": "hidden", "norm_weight": p + "post_norm", "weight": p + "router_weight",
-              "x_norm": p + "mlp_norm", "expert_ids": p + "expert_ids",
-              "expert_weights": p + "expert_weights"},
-             eps=cfg.rms_eps, renormalize=cfg.norm_topk_prob)
+    add_router(g, p, "hidden", p + "post_norm", p + "router_weight", p + "mlp_norm",
+               p + "expert_ids", p + "expert_weights", eps=cfg.rms_eps,
+               renormalize=cfg.norm_topk_prob, gate_tasks=gate_tasks)
     slots = expert_slots(cfg, batch)
     # About one task per SM: the slots times the ranges of the expert width fill the SMs (at
     # batch 1 of qwen3-30b-a3b: 8 slots x 16 ranges of 48 rows).

@@ -60,8 +60,8 @@ struct PageCursor {
   // perf-log). One register: the all-kinds build is at its local-memory allowance.
   uint32_t held = 0;
 
-  __device__ __forceinline__ uint32_t slot_of(int i) const { return (seq + i) % NUM_PAGES; }
-  // Shared-memory address of page i (0 <= i < count), after waiting for it to land.
+  // Shared-memory address of page i (cur <= i < count: pages are visited in order, and the
+  // ones before cur are released), after waiting for it to land.
   __device__ __forceinline__ uint32_t at(int i) {
     while (cur < i) {
       if (cur >= 0) release_held();
@@ -73,7 +73,7 @@ struct PageCursor {
           if (ptx::globaltimer() - t0 > (unsigned long long)limit_ns) __trap();
       }
     }
-    return ring + (i == cur ? slot() : slot_of(i)) * (uint32_t)PAGE_BYTES;
+    return ring + slot() * (uint32_t)PAGE_BYTES;
   }
   __device__ __forceinline__ void finish() {
     if (count == 0 || cur >= count) return;
