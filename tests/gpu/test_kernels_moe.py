@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from mpk.graph.graph import Graph
-from mpk.models.moe import add_router
+from mpk.models import moe
 from mpk.tasks.numerics import rmsnorm_rows
 from tests.gpu.kernel_helpers import BF16, I32, Role, assert_close, gen, run_both
 
@@ -76,8 +76,8 @@ def add_router(graph: Graph, p: str, b: int, h: int, e: int, k: int, renorm: boo
     graph.add_tensor(p + "xn", (b, h), BF16, Role.ACTIVATION)
     graph.add_tensor(p + "ids", (b, k), I32, Role.ACTIVATION)
     graph.add_tensor(p + "wts", (b, k), BF16, Role.ACTIVATION)
-    add_router(graph, p, p + "x", p + "norm", p + "gate", p + "xn", p + "ids", p + "wts", eps=EPS,
-               renormalize=renorm, gate_tasks=min(16, -(-e // 8)))
+    moe.add_router(graph, p, p + "x", p + "norm", p + "gate", p + "xn", p + "ids", p + "wts",
+                   eps=EPS, renormalize=renorm, gate_tasks=min(16, -(-e // 8)))
 
 
 def add_gate_up(graph: Graph, p: str, b: int, e: int, k: int, inter: int, tiles: int,
