@@ -11,9 +11,8 @@ A MoE layer's MLP instead of the dense rmsnorm + gate_up + down (add_router, the
   moe_down     a range of the hidden size per task: the chosen experts' down projections,
                weighted, summed and added to the residual, in place on `hidden`.
 The dependencies follow from the operands: gate_up reads x_norm (rmsnorm) and expert_ids
-(router),
-down reads the activations (gate_up) and the ids / weights (router) and writes `hidden`,
-which the next layer's attention reads.
+(router), down reads the activations (gate_up) and the ids / weights (router) and writes
+`hidden`, which the next layer's attention reads.
 
 Weights: each layer's experts are stacked, [E, 2, I, H] (gate then up rows per expert) and
 [E, H, I] (down), the layout weights.random_weights already allocates, so `moe_weights` reuses

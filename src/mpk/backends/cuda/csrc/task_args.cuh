@@ -57,7 +57,7 @@ struct PageCursor {
   // Ring slot of page `cur` with its full-barrier parity in bit 31 (set by the first at()).
   // Kept as it moves instead of derived from seq: NUM_PAGES is rarely a power of two, and a
   // division per page per warp sat on the walk's critical path (ncu source counters,
-  // perf-log). One register: the all-kinds build is at its local-memory allowance.
+  // perf-log). One register: every live value of the walk costs the big builds spills.
   uint32_t held = 0;
 
   // Shared-memory address of page i (cur <= i < count: pages are visited in order, and the
