@@ -41,6 +41,7 @@ from mpk.dtypes import DType
 from mpk.engine.bind import bind_model
 from mpk.errors import UnsupportedError
 from mpk.models.builder import DecodeShape, build_graph
+from mpk.models import decode_io as io
 from mpk.models.config import ModelConfig
 from mpk.models.reference import ReferenceModel
 from mpk.models.weights import random_weights
@@ -51,7 +52,7 @@ BF16_TOL = 1e-2
 # by 1.5-2% from the interpreter's (one layer: < 1e-3). Backend vs interpreter stays at BF16_TOL.
 REFERENCE_TOL = 3e-2
 # IO tensors the check writes itself (the graph's IO contract): equal on both sides by design.
-INPUTS = ("prompt", "positions", "page_table")
+INPUTS = io.INPUTS
 # Integer outputs that hold token ids, and the axis of their batch row: a differing id is
 # accepted at a near-tie of the logits (bf16 rounding may pick either of two equal logits).
 TOKEN_IDS = {"argmax_idx": 0, "tokens": 0, "tokens_out": 1}

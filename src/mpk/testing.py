@@ -80,10 +80,12 @@ def greedy_mismatches(ref: ReferenceModel, prompts: list[list[int]],
 
 
 # ---- a sampling head: lm_head with the argmax epilogue, then argmax_reduce ---------------------
-def sampling_head_graph(batch: int, vocab: int, k: int, tasks: int, steps: int) -> Graph:
+def sampling_head_graph(batch: int, vocab: int, k: int, tasks: int, steps: int,
+                        runs: bool = False) -> Graph:
     """x [batch, k] @ w [vocab, k]^T -> logits, the argmax epilogue over `tasks` slices with the
-    SAMPLING and POSITIONS inputs, and argmax_reduce (with the logits, for top-k / top-p rows)
-    writing tokens_out [steps, batch]: the tail of a decode step, alone."""
+    SAMPLING and POSITIONS inputs (and RUNS with `runs`), and argmax_reduce (with the logits,
+    for top-k / top-p rows) writing tokens_out [steps, batch]: the tail of a decode step,
+    alone."""
     g = Graph()
     g.add_tensor("x", (batch, k), DType.BF16, Role.IO)
     g.add_tensor("w", (vocab, k), DType.BF16, Role.WEIGHT)
@@ -95,6 +97,9 @@ def sampling_head_graph(batch: int, vocab: int, k: int, tasks: int, steps: int) 
     g.add_tensor("tokens", (batch,), DType.I32, Role.ACTIVATION)
     g.add_tensor("tokens_out", (steps, batch), DType.I32, Role.IO)
     heads = {"sampling": io.SAMPLING, "positions": io.POSITIONS}
+    if runs:
+        g.add_tensor(io.RUNS, (batch, io.RUN_WORDS), DType.I32, Role.IO)
+        heads["runs"] = io.RUNS
     g.add_op("linear", "head", (tasks,), {"x": "x", "weight": "w", "out": "logits",
                                           "part_val": "pv", "part_idx": "pi", **heads},
              epilogue="argmax")

@@ -66,8 +66,9 @@ def test_real_task_kernels_compile_clean(cache_root: Path) -> None:
     logits of a spread linear (same session): 60 B stored, 180 B reloaded at 45 places, each
     once per task, per KV chunk or per loop set-up (the consumer loop's index and step, attention
     addresses, linear and moe_router scalars; none inside a weight walk; read off the build's
-    SASS). The
-    plans models compile stay at zero
+    SASS); since attention reads a run's earlier rows (fifth session): 84 B stored, 168 B
+    reloaded, the new ones attention's context words stored at its entry and reloaded in its
+    warp merge, once per task (none in the KV loop). The plans models compile stay at zero
     (test_qwen3_0_6b_megakernel_compiles_clean, the tensor-parallel one, the MoE ones;
     qwen3-8b, llama-3.2-1b and smollm2-135m were checked by hand)."""
     kinds = list(all_kinds())
@@ -77,7 +78,7 @@ def test_real_task_kernels_compile_clean(cache_root: Path) -> None:
         pytest.skip(f"no task kernels written yet (missing sm90.cuh: {', '.join(missing)})")
     result = build.compile_source(codegen.render_kinds(present), arch="sm_90a",
                                   cache_root=cache_root)
-    assert_clean(result, cold_spill_bytes=60, cold_reload_bytes=180)
+    assert_clean(result, cold_spill_bytes=84, cold_reload_bytes=180)
 
 
 def test_broken_source_raises_compile_error(cache_root: Path) -> None:

@@ -1,9 +1,13 @@
 """The continuous-batching scheduler against a fake executor whose 'model' is an arithmetic rule.
 
-The fake follows the backend step semantics exactly (prompt rows, per-row positions, page table,
-tokens_out, local steps), so these tests pin down the scheduler's bookkeeping without compiling a
-model: staggered arrivals give each request its solo tokens, slots and pages are reused, stops,
-cancellation and KV exhaustion lose nothing.
+The fake follows the backend step semantics exactly (prompt rows, per-row positions, runs, page
+table, tokens_out, local steps) and has a KV cache: a row's next token depends on its token, its
+position and every token at the positions before it, read through its page table, with this
+step's earlier run rows taken from the step itself and the cache written only after every row
+has read (so a schedule that relied on another row's write of the same step would read poison).
+These tests pin down the scheduler's bookkeeping without compiling a model: staggered arrivals
+give each request its solo tokens, prompts fed as runs give the same tokens, slots and pages are
+reused, stops, cancellation and KV exhaustion lose nothing.
 """
 
 from __future__ import annotations
@@ -16,29 +20,40 @@ from mpk.engine.requests import (FinishReason, InvalidRequestError, RequestHandl
                                  SamplingParams, validate_prompt)
 from mpk.engine.scheduler import Scheduler
 from mpk.models import decode_io as io
+from mpk.tasks.runs import row_run
 
 VOCAB = 97
 PAGE = 4
 MAX_PAGES = 16
+POISON = 1000  # what an unwritten or unmapped position contributes
 
 
-def rule(token: int, position: int) -> int:
-    return (token * 7 + position + 1) % VOCAB
+def rule(token: int, position: int, history: int) -> int:
+    return (token * 7 + position + 1 + history) % VOCAB
+
+
+def weigh(tokens: list[int]) -> int:
+    """What the positions before p contribute: order-sensitive."""
+    return sum(t * (q + 3) for q, t in enumerate(tokens))
 
 
 class FakeExecutor:
-    """Next token = rule(embedded token, position). Records every launch's page table and checks
-    that a row never embeds an invalid token."""
+    """Next token = rule(embedded token, position, weigh(tokens at earlier positions)). Records
+    every launch's page table and run layout and checks that a row never embeds an invalid
+    token."""
 
-    def __init__(self, batch: int, steps_per_launch: int) -> None:
+    def __init__(self, batch: int, steps_per_launch: int, num_pages: int) -> None:
         self.io = {io.PROMPT: torch.zeros(steps_per_launch, batch, dtype=torch.int32),
                    io.POSITIONS: torch.zeros(batch, dtype=torch.int32),
                    io.PAGE_TABLE: torch.zeros(batch, MAX_PAGES, dtype=torch.int32),
                    io.TOKENS_OUT: torch.full((steps_per_launch, batch), -7, dtype=torch.int32),
-                   io.SAMPLING: torch.zeros(batch, io.SAMPLING_WORDS, dtype=torch.int32)}
+                   io.SAMPLING: torch.zeros(batch, io.SAMPLING_WORDS, dtype=torch.int32),
+                   io.RUNS: torch.zeros(batch, io.RUN_WORDS, dtype=torch.int32)}
         self.tokens = torch.full((batch,), -5, dtype=torch.int32)
+        self.cache = [-1] * (num_pages * PAGE)  # the embedded token at each (page, slot)
         self.launches: list[int] = []
         self.tables: list[torch.Tensor] = []
+        self.widths: list[int] = []  # the widest run of each launch
 
     def write(self, name: str, value: torch.Tensor) -> None:
         assert value.shape == self.io[name].shape, name
@@ -47,24 +62,51 @@ class FakeExecutor:
     def read(self, name: str) -> torch.Tensor:
         return self.io[name].clone()
 
+    def _slot(self, b: int, q: int) -> int | None:
+        page = int(self.io[io.PAGE_TABLE][b, q // PAGE]) if q // PAGE < MAX_PAGES else -1
+        return page * PAGE + q % PAGE if 0 <= page < len(self.cache) // PAGE else None
+
     def run(self, num_steps: int = 1) -> None:
         assert 1 <= num_steps <= self.io[io.PROMPT].shape[0]
+        batch = self.tokens.shape[0]
+        words = self.io.get(io.RUNS)  # a plan without the input: every row alone
+        runs = [row_run(None if words is None else words[b], b) for b in range(batch)]
         self.launches.append(num_steps)
         self.tables.append(self.io[io.PAGE_TABLE].clone())
+        self.widths.append(max(w for _, w in runs))
         for s in range(num_steps):
-            for b in range(self.tokens.shape[0]):
+            embedded, positions = [], []
+            for b in range(batch):
                 forced = int(self.io[io.PROMPT][s, b])
                 token = forced if forced >= 0 else int(self.tokens[b])
                 assert 0 <= token < VOCAB, f"row {b} embeds {token} at local step {s}"
-                self.tokens[b] = rule(token, int(self.io[io.POSITIONS][b]) + s)
+                embedded.append(token)
+                positions.append(int(self.io[io.POSITIONS][b]) + s * runs[b][1])
+            for b in range(batch):
+                index, p = runs[b][0], positions[b]
+                before = []
+                for q in range(p):
+                    if q >= p - index:  # an earlier row of this step's run
+                        before.append(embedded[b - (p - q)])
+                    else:
+                        slot = self._slot(b, q)
+                        token = self.cache[slot] if slot is not None else -1
+                        before.append(token if token >= 0 else POISON)
+                self.tokens[b] = rule(embedded[b], p, weigh(before))
+            for b in range(batch):  # the cache writes land after every row has read
+                slot = self._slot(b, positions[b])
+                if slot is not None:
+                    self.cache[slot] = embedded[b]
             self.io[io.TOKENS_OUT][s] = self.tokens
 
 
 def solo(prompt: list[int], max_new: int, stop: tuple[int, ...] = ()) -> list[int]:
-    token, out = prompt[0], []
+    token, out, seen = prompt[0], [], []
     for pos in range(len(prompt) + max_new - 1):
         token = prompt[pos] if pos < len(prompt) else token
-        token = rule(token, pos)
+        nxt = rule(token, pos, weigh(seen))
+        seen.append(token)
+        token = nxt
         if pos >= len(prompt) - 1:
             out.append(token)
             if token in stop:
@@ -73,7 +115,7 @@ def solo(prompt: list[int], max_new: int, stop: tuple[int, ...] = ()) -> list[in
 
 
 def make(slots: int, steps: int, pages: int = 64, **opts) -> tuple[Scheduler, FakeExecutor]:
-    ex = FakeExecutor(slots, steps)
+    ex = FakeExecutor(slots, steps, pages)
     return Scheduler(ex, PagePool(pages, PAGE), slots, MAX_PAGES, steps, **opts), ex
 
 
@@ -208,3 +250,71 @@ def test_a_temperature_too_small_to_scale_logits_is_greedy() -> None:
 def test_bad_prompts(prompt: object, message: str) -> None:
     with pytest.raises(InvalidRequestError, match=message):
         validate_prompt(prompt, 256)  # type: ignore[arg-type]
+
+
+# ---- prompts fed as runs (chunked prefill in the batch) ---------------------------------------
+@pytest.mark.parametrize("steps_per_launch", [1, 2, 5, 16])
+def test_a_long_prompt_is_fed_as_a_run_with_its_solo_tokens(steps_per_launch: int) -> None:
+    prompt = [(i * 13 + 5) % VOCAB for i in range(41)]
+    sched, ex = make(6, steps_per_launch)
+    h = sched.submit(RequestHandle(prompt, SamplingParams(max_tokens=7)))
+    drain(sched)
+    assert h.result().token_ids == solo(prompt, 7)
+    assert max(ex.widths) == 6  # nothing else runs: every row feeds the prompt
+    # the prompt's 41 positions at that width (one step more where the last chunk narrows),
+    # then the 6 tokens after the first
+    assert sched.stats.steps <= -(-41 // max(ex.widths)) + 1 + 6
+    assert sched.pool.num_free == 64
+
+
+def test_runs_share_the_batch_with_decoding_rows() -> None:
+    """A long prompt arrives while two requests decode: it takes the spare rows only, and every
+    request still gets its solo tokens."""
+    sched, ex = make(5, 4)
+    a = sched.submit(RequestHandle([3, 1, 4], SamplingParams(max_tokens=30)))
+    b = sched.submit(RequestHandle([9], SamplingParams(max_tokens=25)))
+    sched.step()
+    long = [(i * 31 + 2) % VOCAB for i in range(37)]
+    c = sched.submit(RequestHandle(long, SamplingParams(max_tokens=9)))
+    sched.step()
+    assert ex.widths[-1] == 3  # the two decoding rows kept theirs
+    d = sched.submit(RequestHandle(long[:20], SamplingParams(max_tokens=4)))
+    drain(sched)
+    assert a.result().token_ids == solo([3, 1, 4], 30)
+    assert b.result().token_ids == solo([9], 25)
+    assert c.result().token_ids == solo(long, 9)
+    assert d.result().token_ids == solo(long[:20], 4)
+    assert sched.pool.num_free == 64
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_traces_match_solo_runs(seed: int) -> None:
+    """Fixed-seed traces: random prompt lengths, slots, launch lengths and arrival gaps."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randint(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi, (1,), generator=gen))
+
+    slots, steps = randint(1, 7), randint(1, 6)
+    sched, ex = make(slots, steps, pages=200)
+    handles = []
+    for _ in range(8):
+        prompt = torch.randint(0, VOCAB, (randint(1, 30),), generator=gen).tolist()
+        handles.append((prompt, n := randint(1, 12),
+                        sched.submit(RequestHandle(prompt, SamplingParams(max_tokens=n)))))
+        for _ in range(randint(0, 3)):
+            sched.step()
+    drain(sched)
+    for prompt, n, h in handles:
+        assert h.result().token_ids == solo(prompt, n)
+    assert sched.pool.num_free == 200
+
+
+def test_without_the_runs_input_every_request_holds_one_row() -> None:
+    prompt = list(range(1, 30))
+    sched, ex = make(4, 4, runs=False)
+    del ex.io[io.RUNS]
+    h = sched.submit(RequestHandle(prompt, SamplingParams(max_tokens=5)))
+    drain(sched)
+    assert h.result().token_ids == solo(prompt, 5)
+    assert sched.stats.steps == len(prompt) + 5 - 1

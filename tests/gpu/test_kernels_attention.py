@@ -1,6 +1,6 @@
 """The fused attention kernel (q/k norm, RoPE, KV append, attention; tasks/attention/sm90.cuh)
-against the CPU interpreter: head dims 16-256, GQA groups, KV splits, steps, rows outside the
-rope table (kernel_helpers.py: poisoned outputs, bf16 tolerance)."""
+against the CPU interpreter: head dims 16-256, GQA groups, KV splits, steps, runs of rows that
+share a sequence, rows outside the rope table (kernel_helpers.py: poisoned outputs, bf16 tolerance)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,19 @@ def rope_table(max_pos: int, d: int) -> torch.Tensor:
 
 def attention_case(group: int, d: int, splits: int, lengths=(1, 17, 300), steps: int = 1,
                    qk_norm: bool = True, kv_heads: int = 2, max_pos: int | None = None,
-                   seed: int = 0) -> None:
+                   seed: int = 0, widths: tuple[int, ...] | None = None) -> None:
+    """One row per length, or with `widths` a run of widths[j] rows per length (tasks/runs.py:
+    row i of run j starts at position lengths[j] - 1 + i and shares the run's pages)."""
     g = gen(seed)
-    batch, page_size = len(lengths), 16
-    max_pages = (max(lengths) + steps + page_size - 1) // page_size + 1
-    num_pages = batch * max_pages
-    table = torch.randperm(num_pages, generator=g).to(torch.int32).reshape(batch, max_pages)
+    widths = widths or (1,) * len(lengths)
+    batch, page_size = sum(widths), 16
+    max_pages = (max(n + steps * w for n, w in zip(lengths, widths)) + page_size - 1) \
+        // page_size + 1
+    num_pages = len(lengths) * max_pages
+    seq_pages = torch.randperm(num_pages, generator=g).to(torch.int32).reshape(-1, max_pages)
+    rows = [(j, i) for j, w in enumerate(widths) for i in range(w)]
+    table = torch.stack([seq_pages[j] for j, _ in rows])
+    runs = torch.tensor([[i, widths[j]] for j, i in rows], dtype=torch.int32)
     cache = (num_pages, page_size, kv_heads, d)
     max_pos = max_pos or max_pages * page_size
     width = kv_heads * (group + 2) * d
@@ -37,12 +44,14 @@ def attention_case(group: int, d: int, splits: int, lengths=(1, 17, 300), steps:
     graph.add_tensor("page_table", (batch, max_pages), I32, Role.IO)
     graph.add_tensor("k_cache", cache, BF16, Role.IO)
     graph.add_tensor("v_cache", cache, BF16, Role.IO)
-    operands = {"qkv": "qkv", "rope": "rope", "positions": "positions",
+    graph.add_tensor("runs", (batch, 2), I32, Role.IO)
+    operands = {"qkv": "qkv", "rope": "rope", "positions": "positions", "runs": "runs",
                 "page_table": "page_table", "k_cache": "k_cache", "v_cache": "v_cache"}
     inputs = {"qkv": randn((batch, width), torch.bfloat16, g, 2.0),
               "rope": rope_table(max_pos, d),
-              "positions": torch.tensor([n - 1 for n in lengths], dtype=torch.int32),
-              "page_table": table, "k_cache": randn(cache, torch.bfloat16, g),
+              "positions": torch.tensor([lengths[j] - 1 + i for j, i in rows],
+                                        dtype=torch.int32),
+              "runs": runs, "page_table": table, "k_cache": randn(cache, torch.bfloat16, g),
               "v_cache": randn(cache, torch.bfloat16, g)}
     if qk_norm:
         for name in ("q_norm", "k_norm"):
@@ -83,3 +92,16 @@ def test_attention_steps_and_long():
 def test_attention_row_outside_the_rope_table():
     """A row whose position is past the rope table attends to nothing and appends nothing."""
     attention_case(2, 64, 1, lengths=(5, 40), max_pos=32, seed=9)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_attention_runs_read_their_earlier_rows_of_the_step(splits):
+    """Runs of 5 and 3 rows beside rows alone (chunked prefill in the batch, tasks/runs.py):
+    each run row attends to the cache and to its earlier rows' keys of the same step, over
+    two steps (positions move by the run's width)."""
+    attention_case(2, 128, splits, lengths=(1, 40, 17, 300), widths=(5, 1, 3, 1), steps=2,
+                   seed=21 + splits)
+
+
+def test_attention_a_run_of_sixteen_rows_at_head_dim_256():
+    attention_case(4, 256, 1, lengths=(30,), widths=(16,), qk_norm=False, seed=5)

@@ -100,7 +100,8 @@ def test_linear_argmax_epilogue(batch):
 
 def test_linear_argmax_samples_like_the_interpreter():
     """Sampling in lm_head's argmax epilogue and argmax_reduce: plain temperature, top-k, top-p
-    and both; the GPU draws the interpreter's tokens (the same counter-based noise and integer
+    and both, two rows in runs (their draws follow their positions); the GPU draws the
+    interpreter's tokens (the same counter-based noise and integer
     masses; a float log or exp may differ in its last bit, so a rare near-tie may flip)."""
     from mpk.models import decode_io as io
     from mpk.tasks.sampling import encode
@@ -111,11 +112,14 @@ def test_linear_argmax_samples_like_the_interpreter():
             (1.0, 4, 0, 0.8), (0.9, 5, 200, 0.6)]
     batch = len(rows)
     g = gen(3)
-    graph = sampling_head_graph(batch, vocab, k, tasks, steps)
+    graph = sampling_head_graph(batch, vocab, k, tasks, steps, runs=True)
     x = randn((batch, k), torch.bfloat16, g, scale=0.25)  # logits std ~2: spread-out draws
     inputs = {"x": x, "w": randn((vocab, k), torch.bfloat16, g),
               io.SAMPLING: torch.tensor([encode(*r) for r in rows], dtype=torch.int32),
               io.POSITIONS: torch.tensor([0, 3, 100, 7, 9, 11], dtype=torch.int32),
+              # rows 2 and 4 are in runs of 3 and 2 rows: their positions move 3 and 2 a step
+              io.RUNS: torch.tensor([[0, 1], [0, 1], [2, 3], [0, 1], [1, 2], [0, 0]],
+                                    dtype=torch.int32),
               "tokens_out": torch.zeros(steps, batch, dtype=torch.int32)}
     cpu, gpu = run_both(graph, inputs, ["tokens_out"], steps=steps, num_sms=8)
     same = (cpu["tokens_out"] == gpu["tokens_out"]).float().mean(dim=0)

@@ -181,3 +181,26 @@ def test_out_of_range_nucleus_words_mean_no_nucleus() -> None:
     for p in (1 << 24, (1 << 24) + 5, -3):
         words[4] = p
         assert RowSampling.decode(words).top_p_fixed == 0
+
+
+def test_a_run_row_draws_at_its_own_position() -> None:
+    """A row of a 3-row run moves 3 positions a step (tasks/runs.py), so its draw at step s is
+    the draw of a row alone at step 3s: the noise follows the position, not the step."""
+    steps, batch = 12, 2
+    graph = sampling_head_graph(batch, VOCAB, K, TASKS, steps, runs=True)
+    ex = create_executor(compile_graph(graph, num_sms=3), "cpu")
+    x = torch.zeros(batch, K, dtype=torch.bfloat16)
+    x[:, 0] = 1
+    w = torch.zeros(VOCAB, K)
+    w[:, 0] = LOGITS
+    for name, value in {"x": x, "w": w.bfloat16(),
+                        io.SAMPLING: torch.tensor([encode(1.0, 77, 20, 0.9)] * batch,
+                                                  dtype=torch.int32),
+                        io.POSITIONS: torch.tensor([5, 5], dtype=torch.int32),
+                        io.RUNS: torch.tensor([[2, 3], [0, 1]], dtype=torch.int32),
+                        "tokens_out": torch.zeros(steps, batch, dtype=torch.int32)}.items():
+        ex.bind(name, value)
+    ex.run(steps)
+    out = ex.read("tokens_out")
+    assert torch.equal(out[:4, 0], out[0:12:3, 1])
+    assert not torch.equal(out[:4, 0], out[:4, 1])  # the positions differ, so do the draws

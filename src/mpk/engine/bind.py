@@ -32,3 +32,5 @@ def bind_model(ex: Executor, plan: Plan, cfg: ModelConfig, shape: DecodeShape,
     ex.bind("tokens_out", torch.zeros((shape.steps_per_launch, shape.batch), dtype=torch.int32))
     if io.SAMPLING in names:  # greedy rows
         ex.bind(io.SAMPLING, torch.zeros((shape.batch, io.SAMPLING_WORDS), dtype=torch.int32))
+    if io.RUNS in names:  # every row alone
+        ex.bind(io.RUNS, torch.zeros((shape.batch, io.RUN_WORDS), dtype=torch.int32))

@@ -1,14 +1,18 @@
-"""Continuous batching over one compiled plan: B slots, each with its own request, position and
-KV pages, advanced together one launch at a time.
+"""Continuous batching over one compiled plan of B rows, with chunked prefill in the batch.
 
-Between launches the scheduler frees the slots of finished or cancelled requests (their pages go
-back to the pool at once) and admits waiting requests, first come first served, as long as a slot
-and the pages for the request's whole length are free (a request that could never fit is refused
-when it is submitted). A launch then runs n steps for every slot: a slot at position p is forced
-to its prompt tokens while p + s is inside the prompt (graph IO PROMPT) and produces its j-th
-token at position len(prompt) - 1 + j. An empty slot runs on a page table of NO_PAGE entries: it
-writes no KV and its tokens are dropped. A request's tokens depend only on its own prompt (and
-seed), never on which slot it got or what runs beside it.
+Up to B requests run at once, each with its own position and KV pages. Between launches the
+scheduler frees the pages of finished or cancelled requests at once and admits waiting requests,
+first come first served, as long as a row and the pages for the request's whole length are free
+(a request that could never fit is refused when it is submitted). Then it lays the launch out:
+every running request gets one row; rows left over go, oldest first, to requests that still have
+several prompt tokens to feed, as a run (tasks/runs.py): w rows that take w consecutive prompt
+positions per step, so a long prompt is fed up to B tokens a step beside the decoding rows (a
+run is cut to what fills the launch's steps). A row alone is forced to its prompt token while
+inside the prompt and embeds its own previous token after it; a request's first row in a launch
+is forced to its last token, so a request may change rows between launches. A request's j-th
+token comes from the step at its position len(prompt) - 1 + j. An unused row runs on a page
+table of NO_PAGE entries: it writes no KV and its tokens are dropped. A request's tokens depend
+only on its own prompt (and seed), never on its rows or what runs beside it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from mpk.engine.requests import (FinishReason, InvalidRequestError, RequestHandl
                                  SamplingParams, positions_needed)
 from mpk.models import decode_io as io
 from mpk.tasks import sampling
+from mpk.tasks.runs import encode as run_words
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +44,33 @@ Detokenize = Callable[[list[int]], str]
 class _Running:
     handle: RequestHandle
     pages: list[int]
-    pos: int = 0  # the position this slot processes at the next launch's step 0
+    pos: int = 0  # the next position to process
     stop_ids: frozenset[int] = frozenset()
     finished: FinishReason | None = None
     sampling_words: tuple[int, ...] = (0,) * io.SAMPLING_WORDS
 
     @property
     def steps_left(self) -> int:
+        """Steps to its end when it runs alone."""
         return len(self.handle.prompt) - 1 + self.handle.params.max_tokens - self.pos
+
+    @property
+    def prompt_left(self) -> int:
+        """Prompt positions still to feed (the last one yields the first token)."""
+        return len(self.handle.prompt) - self.pos
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """The rows one request holds in a launch: `width` consecutive rows from `first`."""
+
+    run: _Running
+    first: int
+    width: int
+
+    @property
+    def is_run(self) -> bool:
+        return self.width > 1
 
 
 @dataclass
@@ -62,15 +86,16 @@ class Scheduler:
 
     def __init__(self, executor: Executor, pool: PagePool, slots: int, max_pages: int,
                  steps_per_launch: int, eos_token_ids: Iterable[int] = (),
-                 detokenize: Detokenize | None = None, sampling: bool = True) -> None:
-        """`sampling`: the plan has the SAMPLING input (every model plan does; test doubles of
-        an executor may not)."""
+                 detokenize: Detokenize | None = None, sampling: bool = True,
+                 runs: bool = True) -> None:
+        """`sampling`, `runs`: the plan has the SAMPLING / RUNS input (every model plan does;
+        test doubles of an executor may not). Without RUNS every request holds one row."""
         self.executor, self.pool = executor, pool
-        self.sampling = sampling
+        self.sampling, self.runs = sampling, runs
         self.slots, self.max_pages, self.steps_per_launch = slots, max_pages, steps_per_launch
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.detokenize = detokenize
-        self.running: list[_Running | None] = [None] * slots
+        self.running: list[_Running] = []  # in admission order, at most `slots`
         self.waiting: collections.deque[RequestHandle] = collections.deque()
         self.stats = LaunchStats()
         self._lock = threading.Lock()
@@ -92,22 +117,25 @@ class Scheduler:
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self.waiting) or any(r is not None for r in self.running)
+            return bool(self.waiting) or bool(self.running)
 
     @property
     def num_running(self) -> int:
-        return sum(r is not None for r in self.running)
+        return len(self.running)
 
     # ---- one launch ----------------------------------------------------------------------
     def step(self) -> int:
         """Admit what fits, run one launch, hand out its tokens. Returns the steps run."""
         self._retire_cancelled()
         self._admit()
-        active = [r for r in self.running if r is not None]
-        if not active:
+        if not self.running:
             return 0
-        n = min(self.steps_per_launch, max(r.steps_left for r in active))
-        self._write_inputs()
+        n = min(self.steps_per_launch, max(r.steps_left for r in self.running))
+        layout = self._layout(n)
+        # A run stops being useful once its prompt is fed: no longer launch than the rows need.
+        n = min(n, max(-(-r.run.prompt_left // r.width) if r.is_run else r.run.steps_left
+                       for r in layout))
+        self._write_inputs(layout)
         start = time.perf_counter()
         self.executor.run(n)
         produced = self.executor.read(io.TOKENS_OUT)
@@ -116,19 +144,18 @@ class Scheduler:
         self.stats.launches += 1
         self.stats.seconds += end - start
         self.stats.launch_times.append((start, end, n))
-        for b, run in enumerate(self.running):
-            if run is not None:
-                self._collect(run, produced[:n, b].tolist(), end)
-                run.pos += n
-                if run.finished is not None:
-                    self._release(b, run.finished)
+        for rows in layout:
+            self._collect(rows, produced, n, end)
+        for run in list(self.running):
+            if run.finished is not None:
+                self._release(run, run.finished)
         return n
 
     def cancel_all(self) -> None:
         """Mark every waiting and running request cancelled (retired at the next step)."""
         with self._lock:
             handles = list(self.waiting)
-        handles += [r.handle for r in self.running if r is not None]
+        handles += [r.handle for r in self.running]
         for handle in handles:
             handle.cancel()
 
@@ -138,9 +165,8 @@ class Scheduler:
             waiting, self.waiting = list(self.waiting), collections.deque()
         for handle in waiting:
             handle.finish(FinishReason.ERROR, error=error)
-        for b, run in enumerate(self.running):
-            if run is not None:
-                self._release(b, FinishReason.ERROR, error)
+        for run in list(self.running):
+            self._release(run, FinishReason.ERROR, error)
 
     # ---- internals -----------------------------------------------------------------------
     def _retire_cancelled(self) -> None:
@@ -152,15 +178,13 @@ class Scheduler:
                 else:
                     keep.append(handle)
             self.waiting = keep
-        for b, run in enumerate(self.running):
-            if run is not None and run.handle.cancelled:
-                self._release(b, FinishReason.CANCELLED)
+        for run in list(self.running):
+            if run.handle.cancelled:
+                self._release(run, FinishReason.CANCELLED)
 
     def _admit(self) -> None:
         with self._lock:
-            for b in range(self.slots):
-                if self.running[b] is not None or not self.waiting:
-                    continue
+            while self.waiting and len(self.running) < self.slots:
                 handle = self.waiting[0]
                 params = handle.params
                 if params.max_tokens == 0:
@@ -174,57 +198,106 @@ class Scheduler:
                 pages = self.pool.allocate(positions_needed(len(handle.prompt), params.max_tokens))
                 handle.stats.admitted = time.perf_counter()
                 stop_ids = frozenset(params.stop_token_ids) | self.eos
-                self.running[b] = _Running(handle, pages, stop_ids=stop_ids,
-                                           sampling_words=sampling_words(params))
+                self.running.append(_Running(handle, pages, stop_ids=stop_ids,
+                                             sampling_words=sampling_words(params)))
 
-    def _write_inputs(self) -> None:
+    def _layout(self, n: int) -> list[_Rows]:
+        """One row per running request; the spare rows, oldest request first, widen the
+        requests whose prompt would not be fed within n steps into runs that feed it in n;
+        rows still spare widen those runs further (so the launch can end sooner)."""
+        widths = [1] * len(self.running)
+        spare = self.slots - len(self.running) if self.runs else 0
+        needy = [k for k, run in enumerate(self.running) if run.prompt_left > n]
+        for k in needy:  # enough rows to feed the prompt within n steps
+            grow = min(spare, -(-self.running[k].prompt_left // n) - 1)
+            widths[k] += grow
+            spare -= grow
+        for k in needy:  # then what is left, up to one row per prompt position
+            grow = min(spare, self.running[k].prompt_left - widths[k])
+            widths[k] += grow
+            spare -= grow
+        layout, first = [], 0
+        for run, width in zip(self.running, widths):
+            layout.append(_Rows(run, first, width))
+            first += width
+        return layout
+
+    def _write_inputs(self, layout: list[_Rows]) -> None:
         steps, slots = self.steps_per_launch, self.slots
-        prompt = torch.full((steps, slots), io.NO_FORCE, dtype=torch.int32)
+        prompt = torch.zeros((steps, slots), dtype=torch.int32)  # unused rows embed token 0
         positions = torch.zeros(slots, dtype=torch.int32)
         table = torch.full((slots, self.max_pages), io.NO_PAGE, dtype=torch.int32)
         words = torch.zeros((slots, io.SAMPLING_WORDS), dtype=torch.int32)
-        for b, run in enumerate(self.running):
-            if run is None:
-                prompt[:, b] = 0  # an empty slot embeds token 0 (its tokens are dropped)
-                continue
-            positions[b] = run.pos
-            words[b] = torch.tensor(run.sampling_words, dtype=torch.int32)
-            chunk = run.handle.prompt[run.pos: run.pos + steps]
-            if chunk:
-                prompt[: len(chunk), b] = torch.tensor(chunk, dtype=torch.int32)
-            table[b, : len(run.pages)] = torch.tensor(run.pages, dtype=torch.int32)
+        runs = torch.zeros((slots, io.RUN_WORDS), dtype=torch.int32)
+        for rows in layout:
+            run = rows.run
+            pages = torch.tensor(run.pages, dtype=torch.int32)
+            for i in range(rows.width):
+                b = rows.first + i
+                positions[b] = run.pos + i
+                table[b, : len(pages)] = pages
+                words[b] = torch.tensor(run.sampling_words, dtype=torch.int32)
+                runs[b] = torch.tensor(run_words(i, rows.width), dtype=torch.int32)
+                prompt[:, b] = torch.tensor(self._forced(rows, i), dtype=torch.int32)
         self.executor.write(io.PROMPT, prompt)
         self.executor.write(io.POSITIONS, positions)
         self.executor.write(io.PAGE_TABLE, table)
         if self.sampling:
             self.executor.write(io.SAMPLING, words)
+        if self.runs:
+            self.executor.write(io.RUNS, runs)
 
-    def _collect(self, run: _Running, produced: list[int], now: float) -> None:
+    def _forced(self, rows: _Rows, i: int) -> list[int]:
+        """Row i's PROMPT column: its prompt tokens; past the prompt a run row embeds token 0
+        (its steps are idle) and a row alone its own previous token (forced at step 0, since
+        the request may have held another row in the last launch)."""
+        run, ids = rows.run, rows.run.handle.prompt
+        out = []
+        for s in range(self.steps_per_launch):
+            p = run.pos + s * rows.width + i
+            if p < len(ids):
+                out.append(ids[p])
+            elif rows.is_run:
+                out.append(0)
+            elif s == 0:
+                out.append(run.handle.tokens[-1])
+            else:
+                out.append(io.NO_FORCE)
+        return out
+
+    def _collect(self, rows: _Rows, produced: torch.Tensor, n: int, now: float) -> None:
+        run = rows.run
+        last = len(run.handle.prompt) - 1  # the position whose step yields token 0
+        if rows.is_run:  # only the last prompt position's token counts
+            end = run.pos + n * rows.width
+            if last < end:
+                s, i = divmod(last - run.pos, rows.width)
+                self._deliver(run, int(produced[s, rows.first + i]), now)
+            run.pos = min(end, last + 1)
+            return
+        for s in range(n):
+            if run.pos + s >= last and run.finished is None:
+                self._deliver(run, int(produced[s, rows.first]), now)
+        run.pos += n
+
+    def _deliver(self, run: _Running, token: int, now: float) -> None:
         handle, params = run.handle, run.handle.params
-        first_out = len(handle.prompt) - 1  # the position whose step yields token 0
-        for s, token in enumerate(produced):
-            if run.finished is not None:
-                return
-            if run.pos + s < first_out:
-                continue
-            handle.deliver(int(token), now)
-            if int(token) in run.stop_ids:
-                run.finished = FinishReason.STOP
-            elif params.stop and self._stop_string(handle):
-                run.finished = FinishReason.STOP
-            elif len(handle.tokens) >= params.max_tokens:
-                run.finished = FinishReason.LENGTH
+        handle.deliver(token, now)
+        if token in run.stop_ids:
+            run.finished = FinishReason.STOP
+        elif params.stop and self._stop_string(handle):
+            run.finished = FinishReason.STOP
+        elif len(handle.tokens) >= params.max_tokens:
+            run.finished = FinishReason.LENGTH
 
     def _stop_string(self, handle: RequestHandle) -> bool:
         assert self.detokenize is not None
         text = self.detokenize(handle.tokens)
         return any(s in text for s in handle.params.stop)
 
-    def _release(self, b: int, reason: FinishReason, error: str | None = None) -> None:
-        run = self.running[b]
-        assert run is not None
+    def _release(self, run: _Running, reason: FinishReason, error: str | None = None) -> None:
         self.pool.free(run.pages)
-        self.running[b] = None
+        self.running.remove(run)
         run.handle.finish(reason, text=self._text(run.handle), error=error)
 
     def _text(self, handle: RequestHandle) -> str | None:

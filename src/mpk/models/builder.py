@@ -100,6 +100,7 @@ def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = DEFAULT_NUM
     g.add_tensor(io.TOKENS_OUT, (shape.steps_per_launch, b), I32, Role.IO)
     g.add_tensor(io.TOKENS, (b,), I32, Role.ACTIVATION)
     g.add_tensor(io.SAMPLING, (b, io.SAMPLING_WORDS), I32, Role.IO)
+    g.add_tensor(io.RUNS, (b, io.RUN_WORDS), I32, Role.IO)
     g.add_tensor("embed", (cfg.vocab_size, h), BF16, Role.WEIGHT)
     g.add_tensor("rope", (shape.max_seq_len, d), F32, Role.WEIGHT)
     g.add_tensor("hidden", (b, h), BF16, Role.ACTIVATION)
@@ -134,11 +135,12 @@ def _lm_head(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int) -> No
     g.add_op("linear", "lm_head", (tiles,), {"x": "final_hidden", "weight": "lm_head",
                                              "out": "logits", "part_val": "argmax_val",
                                              "part_idx": "argmax_idx", "sampling": io.SAMPLING,
-                                             "positions": io.POSITIONS}, epilogue="argmax")
+                                             "positions": io.POSITIONS, "runs": io.RUNS},
+             epilogue="argmax")
     g.add_op("argmax_reduce", "sample", (b,), {"part_val": "argmax_val", "part_idx": "argmax_idx",
                                                "tokens": io.TOKENS, "tokens_out": io.TOKENS_OUT,
                                                "logits": "logits", "sampling": io.SAMPLING,
-                                               "positions": io.POSITIONS})
+                                               "positions": io.POSITIONS, "runs": io.RUNS})
 
 
 def _attention_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int,
@@ -174,7 +176,7 @@ def _attention(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int, p: 
     # costs more than it saves below a few hundred positions per (row, KV head).
     splits = max(1, min(16, num_sms // (kvh * b), shape.max_pages,
                         -(-shape.max_seq_len // SPLIT_POSITIONS)))
-    ops = {"qkv": p + "qkv", "rope": "rope", "positions": io.POSITIONS,
+    ops = {"qkv": p + "qkv", "rope": "rope", "positions": io.POSITIONS, "runs": io.RUNS,
            "page_table": io.PAGE_TABLE, "k_cache": io.k_cache(layer),
            "v_cache": io.v_cache(layer)}
     if cfg.qk_norm:

@@ -11,12 +11,13 @@ profile and check drive them.
 | TOKENS_OUT | [steps_per_launch, B] i32 | row s: the token produced at local step s |
 | TOKENS | [B] i32 (activation) | the last token produced: what the next step embeds unless forced |
 | SAMPLING | [B, 5] i32 | per row: temperature (float bits; 0 = greedy), seed low, seed high, top_k, top_p (tasks/sampling.py owns the layout) |
+| RUNS | [B, 2] i32 | per row: (index in its run, run width): a run of w rows holds w consecutive positions of one sequence per step (chunked prefill), each row moving w positions a step; (0, 1) or zeros = a row alone (tasks/runs.py owns the layout) |
 | k_cache.{l}, v_cache.{l} | [num_pages, page_size, kv_heads, head_dim] bf16 | paged KV cache of layer l |
 """
 
 from __future__ import annotations
 
-from mpk.tasks import sampling
+from mpk.tasks import runs, sampling
 
 PROMPT = "prompt"
 POSITIONS = "positions"
@@ -25,9 +26,11 @@ TOKENS_OUT = "tokens_out"
 TOKENS = "tokens"
 SAMPLING = "sampling"
 SAMPLING_WORDS = sampling.WORDS
+RUNS = "runs"
+RUN_WORDS = runs.WORDS
 NO_FORCE = -1  # a PROMPT entry that lets the row embed its own previous token
 NO_PAGE = -1  # a PAGE_TABLE entry that holds no page: the kernels neither read nor write it
-INPUTS = (PROMPT, POSITIONS, PAGE_TABLE)
+INPUTS = (PROMPT, POSITIONS, PAGE_TABLE, RUNS)
 
 
 def k_cache(layer: int) -> str:

@@ -6,8 +6,8 @@ The template has five holes, all filled from data, never from hand-kept lists:
              `#define MPK_TASK_PARAMS 1` when a kind reads the launch's Params (TaskArgs::p);
   CONSTANTS  record layout (record.layout_constants() as REC_<NAME>), runtime sizes (the task
              scratch and the page ring follow from Plan.scratch_bytes), the error buffer layout
-             (ERROR_FIELDS below, shared with the executor), the SAMPLING row layout
-             (tasks/sampling.py) and the ABI version;
+             (ERROR_FIELDS below, shared with the executor), the SAMPLING and RUNS row
+             layouts (tasks/sampling.py, tasks/runs.py) and the ABI version;
   KINDS      for each kind of the plan (kind id = index in plan.kinds): its operand slots
              O_<OPERAND> and param indices P_<PARAM> in `namespace mpk::kinds::<kind>`, then
              `#include "<kind>/sm90.cuh"` (resolved against mpk/tasks);
@@ -26,7 +26,7 @@ from pathlib import Path
 from mpk.compiler import record
 from mpk.compiler.plan import Plan
 from mpk.errors import CompileError, UnsupportedError
-from mpk.tasks import base, sampling
+from mpk.tasks import base, runs, sampling
 from mpk.tasks.registry import get_kind
 
 CSRC_DIR = Path(__file__).parent / "csrc"
@@ -130,6 +130,9 @@ def constants_block(scratch_bytes: int = 16 * 1024) -> str:
     lines += [f"inline constexpr int SAMPLING_{name} = {value};"
               for name, value in sampling.FIELDS.items()]
     lines.append(f"inline constexpr int SAMPLING_P_ONE = {sampling.P_ONE};")
+    lines.append(f"inline constexpr int RUN_WORDS = {runs.WORDS};")
+    lines.append(f"inline constexpr int RUN_INDEX = {runs.INDEX};")
+    lines.append(f"inline constexpr int RUN_WIDTH = {runs.WIDTH};")
     lines.append(f"inline constexpr int PROF_STAMPS = {len(PROFILE_STAMPS)};")
     lines += [f"inline constexpr int PROF_{name} = {value};"
               for name, value in PROFILE_STAMPS.items()]

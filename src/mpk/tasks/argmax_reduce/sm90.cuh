@@ -19,6 +19,7 @@
 
 #include "../common/memory.cuh"
 #include "../common/reduce.cuh"
+#include "../common/runs.cuh"
 #include "../common/sampling.cuh"
 
 namespace mpk::kinds::argmax_reduce {
@@ -211,7 +212,8 @@ __device__ __forceinline__ bool filter_of(const mpk::TaskArgs& a, int V, Filter&
   f.logits = a.operand<const float>(O_LOGITS);
   f.V = V;
   f.seed = dev::sampling_seed(words);
-  f.pos = (long long)dev::ld_act_i32(a.operand<const int>(O_POSITIONS)) + a.step;
+  f.pos = dev::row_position(dev::ld_act_i32(a.operand<const int>(O_POSITIONS)),
+                            a.operand<const int>(O_RUNS), a.step);
   return true;
 }
 

@@ -4,7 +4,8 @@ part_val [B, T] f32, part_idx [B, T] i32 -> tokens [B] i32 (read by the next ste
 and, optionally, tokens_out [S, B] i32 row `step` (the generated ids of this launch).
 The grid is (B,): one task per row, so rows that filter run side by side.
 
-With `logits` [B, V] f32, `sampling` [B, WORDS] i32 and `positions` [B] i32, a row whose
+With `logits` [B, V] f32, `sampling` [B, WORDS] i32 and `positions` [B] i32 (and optionally
+`runs` [B, 2] i32, tasks/runs.py, which set how far a row's position moves per step), a row whose
 sampling words ask for top-k or top-p (tasks/sampling.py) ignores the partials: its task
 selects the kept tokens from the row's logits (radix selection over ordered keys, exact integer
 masses) and draws the Gumbel-max of logits / T among them, with the same noise as lm_head's
@@ -14,7 +15,7 @@ epilogue. Greedy and plain-temperature rows take the partials' winner as before.
 from __future__ import annotations
 
 from mpk.dtypes import DType
-from mpk.tasks import sampling
+from mpk.tasks import runs, sampling
 from mpk.tasks.base import Access, OpView, OperandSpec, Param, TaskCost, TaskKind, Tile
 from mpk.tasks.registry import register
 
@@ -32,13 +33,15 @@ class ArgmaxReduce(TaskKind):
         OperandSpec("logits", Access.READ, optional=True),
         OperandSpec("sampling", Access.READ, optional=True),
         OperandSpec("positions", Access.READ, optional=True),
+        OperandSpec("runs", Access.READ, optional=True),
     )
     params = (Param("batch"), Param("num_tiles"), Param("out_steps"), Param("vocab"))
 
     def default_splits(self, grid, tensors):
         row = (0, None, None)
         return {"part_val": row, "part_idx": row, "tokens": row, "tokens_out": (1, None, None),
-                "logits": row, "sampling": row, "positions": row}
+                "logits": row, "sampling": row, "positions": row,
+                "runs": row}
 
     def check(self, op: OpView) -> None:
         batch, tiles = op.shape("part_val")
@@ -62,6 +65,8 @@ class ArgmaxReduce(TaskKind):
         given = [op.has(name) for name in FILTER_OPERANDS]
         if any(given) and not all(given):
             raise op.error(f"{', '.join(FILTER_OPERANDS)} are given together")
+        if op.has("runs") and not all(given):
+            raise op.error(f"runs are given with {', '.join(FILTER_OPERANDS)}")
         if not all(given):
             return
         vocab = op.shape("logits")[1]
@@ -73,6 +78,10 @@ class ArgmaxReduce(TaskKind):
         op.expect_dtype("positions", DType.I32)
         for name in FILTER_OPERANDS:
             op.expect_same_split(name, 0, "part_val", 0)
+        if op.has("runs"):
+            op.expect_shape("runs", (batch, runs.WORDS))
+            op.expect_dtype("runs", DType.I32)
+            op.expect_same_split("runs", 0, "part_val", 0)
 
     def param_values(self, op: OpView) -> dict[str, int | float]:
         batch, tiles = op.shape("part_val")
@@ -97,7 +106,8 @@ class ArgmaxReduce(TaskKind):
         row = sampling.RowSampling.decode(tile["sampling"][0].tolist())
         if not row.filters:
             return None
-        position = int(tile["positions"][0]) + tile.step
+        position = runs.position(int(tile["positions"][0]),
+                                 tile["runs"][0] if tile.has("runs") else None, tile.step)
         return sampling.sample_filtered(tile["logits"][0], row, position)
 
     def scratch_bytes(self, op: OpView) -> int:

@@ -2,20 +2,24 @@
 // batch row(s) and KV split (semantics in task.py).
 //
 // Layouts (default splits; grid = (KV-head tiles, B, S)), W = (G+2)*D:
-//   qkv tile = qkv[b0, h0*W]: row bb, head hh, vector j at + (bb*KVH + hh)*W + j*D
+//   qkv tile = qkv[0, h0*W] (every row: a run reads its earlier rows): row b, head hh, vector j
+//              at + (b*KVH + hh)*W + j*D
 //   k_cache / v_cache tile = cache[0, 0, h0, 0]: (page, slot, hh, d) at
 //                            + ((page*page_size + slot)*KVH + hh)*D + d
-//   page_table tile = page_table[b0, 0] (row stride max_pages), positions tile = positions + b0
+//   page_table tile = page_table[b0, 0] (row stride max_pages), positions tile = positions + b0,
+//   runs tile = runs[b0, 0] (or null)
 //   out tile = out[b0, h0*G*D]: (bb, hh, g, d) at + (bb*KVH + hh)*G*D + g*D + d
 //   part_o tile = part_o[b0, h0, s, 0]: (bb, hh, g, d) at + (bb*KVH + hh)*S*G*D + g*D + d
 //   part_lse tile = part_lse[b0, h0, s, 0]: (bb, hh, g) at + (bb*KVH + hh)*S*G + g
 //
-// Phase 1 (prepare): one warp per head vector of the row (G queries, the key, the value); lane
-// holds d = lane + 32i. RMSNorm with a warp sum, RoPE with the partner element through a per-warp
-// buffer, rounding as the reference. Queries go to shared memory (bf16); the split covering
-// position p writes the key and value to the cache AND to shared memory: phase 2 reads position
-// p from shared memory, never back from global (a global write and an L2 read by other threads
-// of this CTA are not ordered by the barrier between them).
+// Phase 1 (prepare): one warp per head vector (the row's G queries, then the key and value of
+// each of this step's positions in the split's range: the row's own and, in a run, its earlier
+// rows'); lane holds d = lane + 32i. RMSNorm with a warp sum, RoPE with the partner element
+// through a per-warp buffer, rounding as the reference. Everything goes to shared memory (bf16);
+// the split covering position p also writes the row's key and value to the cache: phase 2 reads
+// this step's positions from shared memory, never back from global (a global write and an L2
+// read by other threads of this CTA are not ordered by the barrier between them, and the other
+// run rows' writes are not ordered with this task at all).
 // Phase 2 (attend), tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate):
 //   S^T[16 pos][8 heads] = K[16 pos][D] . q^T: a lane's K loads (positions r, r+8; d 8t..8t+7
 //     of each 32-d chunk, d 4t..4t+3 of a 16-d tail) are its A fragments as is (d order is free
@@ -34,6 +38,7 @@
 #include "../common/bf16.cuh"
 #include "../common/memory.cuh"
 #include "../common/reduce.cuh"
+#include "../common/runs.cuh"
 
 namespace mpk::kinds::attention {
 
@@ -47,18 +52,20 @@ constexpr int kLanes = ATTN_MAX_HEAD_DIM / 32;  // head-vector elements per lane
 
 struct Ctx {
   int B, G, D, KVH, PS, MAXP, S, NP, MAXPOS;
+  int row;  // this task's batch row (the qkv tile holds every row)
   bool norm;
   float eps, scale2;  // scale2 = scale * log2(e)
   const bf16 *qkv, *qn, *kn;
   const float* rope;
-  const int *pt, *pos;
+  const int *pt, *pos, *runs;
   bf16 *kc, *vc, *out;
   float *po, *plse;
 };
 
 // Shared memory (one (row, head) at a time):
 //   wo [kWarps][8][D] f32 | wm, wl [kWarps][8] f32 | ps [kWarps][2][8][16] bf16 |
-//   qs [G][D] bf16 (prepared queries) | kn, vn [D] bf16 (this step's key and value) |
+//   qs [G][D] bf16 (prepared queries) | kn, vn [B][D] bf16 (this step's keys and values, by
+//   position from the split's first one: at most B, a run's width) |
 //   buf [kWarps][D] f32 (RoPE partners) | pages [..] i32
 struct Layout {
   int wo, wm, wl, ps, qs, knew, vnew, buf, pages, max_pages;
@@ -69,35 +76,43 @@ struct Layout {
     ps = wl + kWarps * 8 * 4;
     qs = ps + kWarps * 2 * 8 * 16 * 2;
     knew = qs + ((c.G * c.D * 2 + 15) / 16) * 16;
-    vnew = knew + c.D * 2;
-    buf = vnew + c.D * 2;
+    vnew = knew + c.B * c.D * 2;
+    buf = vnew + c.B * c.D * 2;
     pages = buf + kWarps * c.D * 4;
     max_pages = (SMEM_BYTES - pages) / 4;
   }
 };
 
-// ---- phase 1: prepare q, k, v of row bb, head hh ----------------------------------------------
-// Returns through smem; `writer` says whether this split appends position p to the cache.
-__device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* smem, int bb, int hh,
-                                        int p, bool writer, long long crow) {
+// ---- phase 1: prepare q of the task's row and k, v of this step's positions [flo, fhi) ------
+// The key and value of position f come from row c.row - (p - f) (the run's earlier rows hold
+// the positions before p). Returns through smem; the row's own key and value also go to the
+// cache row `crow` (-1: not this split's, or no page).
+__device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* smem, int hh, int p,
+                                        int flo, int fhi, long long crow) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int W = c.G + 2, half = c.D / 2;
   bf16* qs = reinterpret_cast<bf16*>(smem + L.qs);
   bf16* knew = reinterpret_cast<bf16*>(smem + L.knew);
   bf16* vnew = reinterpret_cast<bf16*>(smem + L.vnew);
   float* buf = reinterpret_cast<float*>(smem + L.buf) + warp * c.D;
-  const bf16* row = c.qkv + ((long long)bb * c.KVH + hh) * W * c.D;
-  const float* rrow = c.rope + (long long)p * c.D;
-  for (int j = warp; j < W; j += kWarps) {
-    const bf16* src = row + (long long)j * c.D;
-    if (j == c.G + 1) {  // value: as is
+  const int vectors = c.G + 2 * max(0, fhi - flo);
+  for (int j = warp; j < vectors; j += kWarps) {
+    const bool query = j < c.G;
+    const int f = query ? p : flo + (j - c.G) / 2;  // the vector's position
+    const int which = query ? j : c.G + ((j - c.G) & 1);  // q head, key (G) or value (G + 1)
+    const bf16* src = c.qkv + ((long long)(c.row - (p - f)) * c.KVH + hh) * W * c.D +
+                      (long long)which * c.D;
+    const bool own = f == p && crow >= 0;
+    if (which == c.G + 1) {  // value: as is
+      bf16* dst = vnew + (f - flo) * c.D;
       for (int e = lane; e < c.D; e += 32) {
         const bf16 v = __ushort_as_bfloat16(static_cast<unsigned short>(dev::ld_act_u16(src + e)));
-        vnew[e] = v;
-        if (writer && crow >= 0) c.vc[(crow + hh) * c.D + e] = v;
+        dst[e] = v;
+        if (own) c.vc[(crow + hh) * c.D + e] = v;
       }
       continue;
     }
+    const float* rrow = c.rope + (long long)f * c.D;
     float v[kLanes], cs[kLanes], sn[kLanes], w[kLanes];
 #pragma unroll
     for (int i = 0; i < kLanes; ++i) {
@@ -109,7 +124,7 @@ __device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* sme
         const int r = e < half ? e : e - half;
         cs[i] = dev::ld_act_f32(rrow + r);
         sn[i] = dev::ld_act_f32(rrow + half + r);
-        if (c.norm) w[i] = dev::ld_weight_bf16f((j < c.G ? c.qn : c.kn) + e);
+        if (c.norm) w[i] = dev::ld_weight_bf16f((query ? c.qn : c.kn) + e);
       }
     }
     if (c.norm) {
@@ -124,6 +139,7 @@ __device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* sme
     for (int i = 0; i < kLanes; ++i)
       if (lane + 32 * i < c.D) buf[lane + 32 * i] = v[i];
     __syncwarp();
+    bf16* dst = query ? qs + j * c.D : knew + (f - flo) * c.D;
 #pragma unroll
     for (int i = 0; i < kLanes; ++i) {
       const int e = lane + 32 * i;
@@ -132,12 +148,8 @@ __device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* sme
                           ? __fsub_rn(__fmul_rn(v[i], cs[i]), __fmul_rn(buf[e + half], sn[i]))
                           : __fadd_rn(__fmul_rn(v[i], cs[i]), __fmul_rn(buf[e - half], sn[i]));
       const bf16 ob = dev::to_bf16(o);
-      if (j < c.G) {
-        qs[j * c.D + e] = ob;
-      } else {
-        knew[e] = ob;
-        if (writer && crow >= 0) c.kc[(crow + hh) * c.D + e] = ob;
-      }
+      dst[e] = ob;
+      if (!query && own) c.kc[(crow + hh) * c.D + e] = ob;
     }
     __syncwarp();  // buf is rewritten by this warp's next head vector
   }
@@ -145,7 +157,9 @@ __device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* sme
 
 // ---- phase 2: attention of 8 query heads over this split's positions -------------------------
 struct Range {
-  int lo, hi, newpos, p_first, staged;
+  int lo, hi;  // the split's positions
+  int flo;     // positions [flo, hi) are this step's (from shared memory); flo >= lo
+  int p_first, staged;
 };
 
 template <int DMAX>
@@ -173,29 +187,36 @@ __device__ __forceinline__ void attend(const Ctx& c, const Layout& L, char* smem
   // (their scores are discarded).
   const bf16* qrow = qs + (g0 + (r < ng ? r : 0)) * D;
 
-  // Row of position q (global or this step's shared copy), or nullptr when masked.
+  // Row of position q (global, or this step's shared copy), or nullptr when masked (outside
+  // the split, or its page entry outside the pool).
   auto row_of = [&](const bf16* cache, const bf16* fresh, int q) -> const bf16* {
     if (q >= R.hi || q < R.lo) return nullptr;
-    if (q == R.newpos) return fresh;
     const int pi = q / c.PS;
     const int page = pi - R.p_first < R.staged ? pages[pi - R.p_first] : dev::ld_act_i32(ptrow + pi);
     if (page < 0 || page >= c.NP) return nullptr;
+    if (q >= R.flo) return fresh + (q - R.flo) * D;
     return cache + (((long long)page * c.PS + (q - pi * c.PS)) * c.KVH + hh) * D;
   };
-  // 16 (8, 4) bytes of a row at element e: shared memory for this step's row, else L2.
+  // knew and vnew are one block of shared memory: a row inside it is this step's.
+  const unsigned fresh_bytes = 2u * c.B * D * 2u;
+  auto in_smem = [&](const bf16* row) -> bool {
+    return (unsigned long long)(reinterpret_cast<const char*>(row) -
+                                reinterpret_cast<const char*>(knew)) < fresh_bytes;
+  };
+  // 16 (8, 4) bytes of a row at element e: shared memory for this step's rows, else L2.
   auto ld16 = [&](const bf16* row, int e) -> uint4 {
     if (row == nullptr) return make_uint4(0u, 0u, 0u, 0u);
-    if (row == knew || row == vnew) return *reinterpret_cast<const uint4*>(row + e);
+    if (in_smem(row)) return *reinterpret_cast<const uint4*>(row + e);
     return dev::ld_act_v4(row + e);
   };
   auto ld8 = [&](const bf16* row, int e) -> uint2 {
     if (row == nullptr) return make_uint2(0u, 0u);
-    if (row == knew || row == vnew) return *reinterpret_cast<const uint2*>(row + e);
+    if (in_smem(row)) return *reinterpret_cast<const uint2*>(row + e);
     return dev::ld_act_v2(row + e);
   };
   auto ld4 = [&](const bf16* row, int e) -> uint32_t {
     if (row == nullptr) return 0u;
-    if (row == knew || row == vnew) return *reinterpret_cast<const uint32_t*>(row + e);
+    if (in_smem(row)) return *reinterpret_cast<const uint32_t*>(row + e);
     return dev::ld_act_u32(row + e);
   };
 
@@ -358,26 +379,28 @@ __device__ __forceinline__ void attend(const Ctx& c, const Layout& L, char* smem
   mpk::task_sync();  // smem is reused by the next pass
 }
 
-// Position, cache row and this split's range for row bb; stages the page-table slice.
-__device__ __forceinline__ bool row_setup(const Ctx& c, const Layout& L, char* smem, int bb,
-                                          int s, int step, int& p, bool& writer, long long& crow,
-                                          Range& R) {
+// Position, cache row and this split's range for the tile's row; stages the page-table slice.
+__device__ __forceinline__ bool row_setup(const Ctx& c, const Layout& L, char* smem, int s,
+                                          int step, int& p, long long& crow, Range& R) {
+  const int bb = 0;  // positions, runs and page_table tiles start at the task's row
   int* pages = reinterpret_cast<int*>(smem + L.pages);
-  p = dev::ld_act_i32(c.pos + bb) + step;
-  if (p < 0 || p >= c.MAXPOS) return false;
+  const dev::RowRun run = dev::row_run(c.runs, c.row);
+  const long long pos = (long long)dev::ld_act_i32(c.pos + bb) + (long long)step * run.width;
+  if (pos < 0 || pos >= c.MAXPOS) return false;
+  p = (int)pos;
   const int length = p + 1;
   const int chunk = (length + c.S - 1) / c.S;
   R.lo = s * chunk;
   R.hi = min(length, R.lo + chunk);
   R.hi = min(R.hi, c.MAXP * c.PS);  // positions past the page table cannot be read
-  writer = p / chunk == s;
+  const bool writer = p / chunk == s;
   crow = -1;
   const int* ptrow = c.pt + (long long)bb * c.MAXP;
   if (writer && p / c.PS < c.MAXP) {
     const int page = dev::ld_act_i32(ptrow + p / c.PS);
     if (page >= 0 && page < c.NP) crow = ((long long)page * c.PS + p % c.PS) * c.KVH;
   }
-  R.newpos = (writer && crow >= 0) ? p : -1;
+  R.flo = max(R.lo, p - run.index);
   const int n = max(0, R.hi - R.lo);
   R.p_first = n > 0 ? R.lo / c.PS : 0;
   const int n_pages = n > 0 ? (R.hi - 1) / c.PS - R.p_first + 1 : 0;
@@ -424,6 +447,8 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   c.rope = a.operand<const float>(O_ROPE);
   c.pt = a.operand<const int>(O_PAGE_TABLE);
   c.pos = a.operand<const int>(O_POSITIONS);
+  c.runs = a.operand<const int>(O_RUNS);
+  c.row = a.point(1);
   c.kc = a.operand<bf16>(O_K_CACHE);
   c.vc = a.operand<bf16>(O_V_CACHE);
   c.out = a.operand<bf16>(O_OUT);
@@ -434,15 +459,14 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   // One KV head and one batch row per task (task.py: grid (KVH, B, S)).
   const Layout L(c);
   int p;
-  bool writer;
   long long crow;
   Range R;
-  if (!row_setup(c, L, a.smem, 0, s, a.step, p, writer, crow, R)) {
+  if (!row_setup(c, L, a.smem, s, a.step, p, crow, R)) {
     write_empty(c, 0, 0);
     return;
   }
-  prepare(c, L, a.smem, 0, 0, p, writer, crow);
-  mpk::task_sync();  // queries, this step's key and value, the page-table slice
+  prepare(c, L, a.smem, 0, p, R.flo, max(R.flo, R.hi), crow);
+  mpk::task_sync();  // queries, this step's keys and values, the page-table slice
   // ATTN_MAX_HEAD_DIM (generated: 128, or 256 when the plan has larger heads) sizes the
   // registers; one instantiation per build keeps the smaller heads' register budget.
   for (int g0 = 0; g0 < c.G; g0 += 8) attend<ATTN_MAX_HEAD_DIM>(c, L, a.smem, 0, 0, g0, s, R);

@@ -5,17 +5,19 @@ qkv [B, KVH*(G+2)*D] bf16: per KV head h its G query heads, its key, then its va
 groups the fused QKV weight this way). q_norm, k_norm [D] bf16 (optional, Qwen3), rope
 [max_pos, D] f32 (cos in the first D/2 columns, sin in the last D/2), positions [B] i32 (the
 position of step 0), page_table [B, max_pages] i32, k_cache / v_cache [num_pages, page_size,
-KVH, D] bf16 (read and written).
-Per row b, p = positions[b] + step, L = p + 1:
+KVH, D] bf16 (read and written), runs [B, 2] i32 (optional, tasks/runs.py: row b is row i of
+a run of width w that shares its pages; absent: every row alone, i = 0, w = 1).
+Per row b, p = positions[b] + step * w, L = p + 1:
   1. q, k = RoPE(RMSNorm(q), RMSNorm(k)) (the norm only with q_norm/k_norm; rotate-half RoPE in
-     fp32, rounded to bf16 once); v as is.
+     fp32, rounded to bf16 once); v as is. The same for the keys and values of rows b-i .. b-1
+     at positions p-i .. p-1 (this step's earlier run rows).
   2. the split that covers position p writes k and v there (page page_table[b, p // page_size],
-     slot p % page_size); every split reads only its own positions, so no split reads a
-     position another task of this step writes.
-  3. split s (grid axis 2, S splits) attends to positions [s*c, min(L, (s+1)*c)), c = ceil(L/S):
-     with one split it writes the normalised out [B, KVH*G*D] bf16; with several, fp32 partials
-     part_o [B, KVH, S, G*D] and part_lse [B, KVH, S, G] (natural-log sum-exp, -inf when empty)
-     for attention_merge.
+     slot p % page_size); every split reads only its own positions, and positions p-i .. p come
+     from step 1, so no task reads a position another task of this step writes.
+  3. split s (grid axis 2, S splits) attends to positions [s*c, min(L, (s+1)*c)), c = ceil(L/S)
+     (a position whose page entry is outside the pool is masked out): with one split it writes
+     the normalised out [B, KVH*G*D] bf16; with several, fp32 partials part_o [B, KVH, S, G*D]
+     and part_lse [B, KVH, S, G] (natural-log sum-exp, -inf when empty) for attention_merge.
 A row whose p is outside [0, max_pos) writes nothing to the caches and attends to nothing.
 Grid: (KVH, B, S), one KV head of one row per task; head_dim any multiple of 16 up to 256.
 """
@@ -29,6 +31,7 @@ import torch
 from mpk.dtypes import DType
 from mpk.tasks.base import Access, OpView, OperandSpec, Param, TaskCost, TaskKind, Tile
 from mpk.tasks.numerics import bf16, rmsnorm_rows
+from mpk.tasks import runs
 from mpk.tasks.registry import register
 
 MAX_HEAD_DIM = 256
@@ -56,10 +59,11 @@ class Attention(TaskKind):
         OperandSpec("out", Access.WRITE, optional=True),
         OperandSpec("part_o", Access.WRITE, optional=True),
         OperandSpec("part_lse", Access.WRITE, optional=True),
+        OperandSpec("runs", Access.READ, optional=True),
     )
-    # Each batch row appends to its own pages (the engine never maps a page into two rows) and a
-    # split writes only the position it attends to, so tasks' cache writes never meet at run
-    # time although their boxes (all pages of the head) overlap.
+    # Each batch row appends its own position (rows that share pages form a run and hold
+    # distinct positions) and a split writes only the position it attends to, so tasks' cache
+    # writes never meet at run time although their boxes (all pages of the head) overlap.
     disjoint_writes = ("k_cache", "v_cache")
     params = (Param("batch"), Param("group"), Param("head_dim"), Param("kv_heads"),
               Param("page_size"), Param("max_pages"), Param("num_splits"),
@@ -73,8 +77,9 @@ class Attention(TaskKind):
         return {"ATTN_MAX_HEAD_DIM": 128 if op.shape("k_cache")[3] <= 128 else MAX_HEAD_DIM}
 
     def default_splits(self, grid, tensors):
-        return {"qkv": (1, 0, None), "k_cache": (2, None, None), "v_cache": (2, None, None),
+        return {"qkv": (1, None, None), "k_cache": (2, None, None), "v_cache": (2, None, None),
                 "page_table": (None, 0, None), "positions": (None, 0, None),
+                "runs": (None, 0, None),
                 "out": (1, 0, None), "part_o": (1, 0, 2), "part_lse": (1, 0, 2)}
 
     def check(self, op: OpView) -> None:
@@ -106,9 +111,13 @@ class Attention(TaskKind):
         op.expect_dtype("page_table", DType.I32)
         self._check_outputs(op, batch, kv_heads, group, head_dim)
         op.expect_same_split("qkv", 1, "k_cache", 2)
-        op.expect_same_split("qkv", 0, "positions", 0)
-        op.expect_same_split("qkv", 0, "page_table", 0)
-        if op.axis_of("qkv", 1) != 0 or op.axis_of("qkv", 0) != 1 or \
+        op.expect_unsplit("qkv", 0)  # a run's rows read each other's keys
+        op.expect_same_split("page_table", 0, "positions", 0)
+        if op.has("runs"):
+            op.expect_shape("runs", (batch, runs.WORDS))
+            op.expect_dtype("runs", DType.I32)
+            op.expect_same_split("runs", 0, "positions", 0)
+        if op.axis_of("qkv", 1) != 0 or op.axis_of("positions", 0) != 1 or \
                 op.grid[:2] != (kv_heads, batch):
             raise op.error(f"the grid is (KV heads, batch rows, KV splits) = ({kv_heads}, "
                            f"{batch}, S): one KV head of one row per task, got {op.grid}")
@@ -122,7 +131,7 @@ class Attention(TaskKind):
             op.expect_shape("out", (batch, kv_heads * group * head_dim))
             op.expect_dtype("out", DType.BF16)
             op.expect_same_split("out", 1, "qkv", 1)
-            op.expect_same_split("out", 0, "qkv", 0)
+            op.expect_same_split("out", 0, "positions", 0)
             return
         if op.has("out") or not (op.has("part_o") and op.has("part_lse")):
             raise op.error("with several KV splits give 'part_o' and 'part_lse' (no 'out')")
@@ -144,57 +153,76 @@ class Attention(TaskKind):
 
     def scratch_bytes(self, op: OpView) -> int:
         # sm90.cuh's Layout: per-warp (m, l, O) states, the P transposes, the prepared queries,
-        # this step's key and value, the per-warp RoPE buffers, >= 1024 page-table entries
+        # this step's keys and values (up to one per batch row: a run's width), the per-warp
+        # RoPE buffers, >= 1024 page-table entries
         d = op.shape("k_cache")[3]
-        group = self.param_values(op)["group"]
+        group, batch = self.param_values(op)["group"], op.shape("qkv")[0]
         return (8 * 8 * d * 4 + 2 * 8 * 8 * 4 + 8 * 2 * 8 * 16 * 2 + -(-group * d * 2 // 16) * 16
-                + 2 * d * 2 + 8 * d * 4 + 4096)
+                + 2 * batch * d * 2 + 8 * d * 4 + 4096)
 
     def reference(self, tile: Tile) -> None:
         p = self.param_values(tile.op)
         d, group = p["head_dim"], p["group"]
         heads = tile["qkv"].shape[1] // ((group + 2) * d)
-        for b in range(tile["qkv"].shape[0]):
-            pos = int(tile["positions"][b]) + tile.step
-            if not 0 <= pos < p["max_pos"]:
-                self._write_empty(tile, b, heads, group, d, p)
-                continue
-            q = self._prepare(tile, b, pos, heads, group, d, p)
-            length = pos + 1
-            chunk = math.ceil(length / p["num_splits"])
-            lo, hi = tile.point[2] * chunk, min(length, (tile.point[2] + 1) * chunk)
-            o, lse = _partial(q, tile, b, lo, hi, p)
-            if p["num_splits"] == 1:
-                tile["out"][b].copy_(o.reshape(heads * group * d))
-            else:
-                tile["part_o"][b, :, 0].copy_(o.reshape(heads, group * d))
-                tile["part_lse"][b, :, 0].copy_(lse)
+        row = tile.point[1]  # qkv holds every row (a run reads its earlier rows' keys)
+        index, width = runs.row_run(tile["runs"][0] if tile.has("runs") else None, row)
+        pos = int(tile["positions"][0]) + tile.step * width
+        if not 0 <= pos < p["max_pos"]:
+            self._write_empty(tile, heads, group, d, p)
+            return
+        q = self._query(tile, row, pos, heads, group, d, p)
+        # This step's keys and values of the run's rows up to this one, by position.
+        fresh = {pos - j: self._key_value(tile, row - j, pos - j, heads, group, d, p)
+                 for j in range(index + 1) if pos - j >= 0}
+        self._append(tile, pos, *fresh[pos], p)
+        length = pos + 1
+        chunk = math.ceil(length / p["num_splits"])
+        lo, hi = tile.point[2] * chunk, min(length, (tile.point[2] + 1) * chunk)
+        o, lse = _partial(q, tile, lo, hi, p, fresh)
+        if p["num_splits"] == 1:
+            tile["out"][0].copy_(o.reshape(heads * group * d))
+        else:
+            tile["part_o"][0, :, 0].copy_(o.reshape(heads, group * d))
+            tile["part_lse"][0, :, 0].copy_(lse)
 
-    def _prepare(self, tile: Tile, b: int, pos: int, heads: int, group: int, d: int,
-                 p: dict) -> torch.Tensor:
-        """q [heads, G, D] (bf16 values) for row b; the covering split appends k and v."""
-        row = tile["qkv"][b].float().reshape(heads, group + 2, d)
-        q, k, v = row[:, :group], row[:, group], row[:, group + 1]
+    def _vectors(self, tile: Tile, row: int, pos: int, heads: int, group: int, d: int, p: dict
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Row `row`'s q [heads, G, D], k and v [heads, D] at position `pos`: q and k normed
+        (Qwen3) and rotated in fp32, each rounded to bf16 once, v as is."""
+        vecs = tile["qkv"][row].float().reshape(heads, group + 2, d)
+        q, k, v = vecs[:, :group], vecs[:, group], vecs[:, group + 1]
         if tile.has("q_norm"):
             q = rmsnorm_rows(q, tile["q_norm"], p["eps"])
             k = rmsnorm_rows(k, tile["k_norm"], p["eps"])
         cos, sin = tile["rope"][pos, : d // 2], tile["rope"][pos, d // 2:]
+        return bf16(rope_rotate(q, cos, sin)), bf16(rope_rotate(k, cos, sin)), v
+
+    def _query(self, tile: Tile, row: int, pos: int, heads: int, group: int, d: int,
+               p: dict) -> torch.Tensor:
+        return self._vectors(tile, row, pos, heads, group, d, p)[0]
+
+    def _key_value(self, tile: Tile, row: int, pos: int, heads: int, group: int, d: int,
+                   p: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        _, k, v = self._vectors(tile, row, pos, heads, group, d, p)
+        return k, v
+
+    def _append(self, tile: Tile, pos: int, k: torch.Tensor, v: torch.Tensor, p: dict) -> None:
+        """The split that covers `pos` writes its key and value to the row's page."""
         chunk = math.ceil((pos + 1) / p["num_splits"])
         page_index = pos // p["page_size"]
         if pos // chunk == tile.point[2] and page_index < p["max_pages"]:
-            page = int(tile["page_table"][b, page_index])
+            page = int(tile["page_table"][0, page_index])
             if 0 <= page < p["num_pages"]:
                 slot = pos % p["page_size"]
-                tile["k_cache"][page, slot].copy_(rope_rotate(k, cos, sin))
+                tile["k_cache"][page, slot].copy_(k)
                 tile["v_cache"][page, slot].copy_(v)
-        return bf16(rope_rotate(q, cos, sin))
 
-    def _write_empty(self, tile: Tile, b: int, heads: int, group: int, d: int, p: dict) -> None:
+    def _write_empty(self, tile: Tile, heads: int, group: int, d: int, p: dict) -> None:
         if p["num_splits"] == 1:
-            tile["out"][b].zero_()
+            tile["out"][0].zero_()
         else:
-            tile["part_o"][b].zero_()
-            tile["part_lse"][b].fill_(-math.inf)
+            tile["part_o"][0].zero_()
+            tile["part_lse"][0].fill_(-math.inf)
 
     def cost(self, op: OpView) -> TaskCost:
         # Decode attention cost grows with the context; the scheduler assumes 1k positions.
@@ -204,15 +232,17 @@ class Attention(TaskKind):
         return TaskCost(weight_bytes=0, act_bytes=kv_bytes, flops=kv_bytes * 2)
 
 
-def _partial(q: torch.Tensor, tile: Tile, b: int, lo: int, hi: int,
-             p: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q [heads, G, D] over positions [lo, hi) of row b: (o, lse). Positions whose
-    page is outside the page table or the pool are masked out."""
+def _partial(q: torch.Tensor, tile: Tile, lo: int, hi: int, p: dict,
+             fresh: dict[int, tuple[torch.Tensor, torch.Tensor]]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [heads, G, D] over positions [lo, hi) of the tile's row: (o, lse).
+    Positions whose page is outside the page table or the pool are masked out; the keys and
+    values of `fresh` positions (this step's) come from there, the others from the cache."""
     heads, group, d = q.shape
     pos = torch.arange(lo, max(lo, hi))
     index = pos // p["page_size"]
     pos = pos[index < p["max_pages"]]
-    pages = tile["page_table"][b, pos // p["page_size"]].long()
+    pages = tile["page_table"][0, pos // p["page_size"]].long()
     valid = (pages >= 0) & (pages < p["num_pages"])
     pos, pages = pos[valid], pages[valid]
     if len(pos) == 0:
@@ -220,6 +250,9 @@ def _partial(q: torch.Tensor, tile: Tile, b: int, lo: int, hi: int,
     slots = pos % p["page_size"]
     k = tile["k_cache"][pages, slots].float()  # [n, heads, D]
     v = tile["v_cache"][pages, slots].float()
+    for i, position in enumerate(pos.tolist()):
+        if position in fresh:
+            k[i], v[i] = fresh[position][0].float(), fresh[position][1].float()
     scores = torch.einsum("hgd,nhd->hgn", q, k) * p["scale"]
     lse = torch.logsumexp(scores, dim=-1)
     o = torch.einsum("hgn,nhd->hgd", torch.exp(scores - lse[..., None]), v)

@@ -33,6 +33,7 @@
 #include "../common/bf16.cuh"
 #include "../common/memory.cuh"
 #include "../common/reduce.cuh"
+#include "../common/runs.cuh"
 #include "../common/sampling.cuh"
 #include "../common/split.cuh"
 
@@ -60,6 +61,7 @@ struct Task {
   int* pidx;
   const int* samp;    // sampling [B, SAMPLING_WORDS] (tasks/sampling.py)
   const int* pos;     // positions [B]
+  const int* runs;    // runs [B, RUN_WORDS] (tasks/runs.py), or null: every row alone
   int step;
 };
 
@@ -427,6 +429,7 @@ __device__ __forceinline__ Task task_of(const mpk::TaskArgs& a) {
   t.sampling = a.i(P_SAMPLING) != 0 && a.has(O_SAMPLING) && a.has(O_POSITIONS);
   t.samp = a.operand<const int>(O_SAMPLING);
   t.pos = a.operand<const int>(O_POSITIONS);
+  t.runs = a.operand<const int>(O_RUNS);
   t.step = a.step;
   t.eps = a.f(P_EPS);
   t.align = t.silu ? kRows / 2 : kRows;
@@ -505,7 +508,8 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
       const int* words = t.samp + tid * SAMPLING_WORDS;
       s.temp[tid] = __int_as_float(dev::ld_act_i32(words + SAMPLING_TEMPERATURE));
       s.seed[tid] = dev::sampling_seed(words);
-      s.spos[tid] = (long long)dev::ld_act_i32(t.pos + tid) + t.step;
+      s.spos[tid] = dev::row_position(dev::ld_act_i32(t.pos + tid),
+                                      t.runs ? t.runs + tid * RUN_WORDS : nullptr, t.step);
     }
   }
   const bf16* nw = nullptr;

@@ -12,10 +12,10 @@ Epilogues:
   silu_mul: bf16(bf16(silu(bf16(x@gate))) * bf16(x@up)), as the unfused gate_up + silu_mul ops
   argmax:   also writes each task's best output and its global index to part_val / part_idx
             [B, T] (ties: lowest index; NaN wins), for argmax_reduce. With `sampling` [B, WORDS]
-            i32 (tasks/sampling.py's row layout) and `positions` [B] i32, a row with
-            temperature T > 0 ranks out / T + Gumbel noise instead
-            (tasks/sampling.py: the token argmax_reduce picks is then a sample of
-            softmax(logits / T) at position positions[b] + step)
+            i32 (tasks/sampling.py's row layout), `positions` [B] i32 and optionally `runs`
+            [B, 2] i32 (tasks/runs.py), a row with temperature T > 0 ranks out / T + Gumbel
+            noise instead (tasks/sampling.py: the token argmax_reduce picks is then a sample
+            of softmax(logits / T) at the row's position positions[b] + step * width)
 On the GPU the weights come as a stream of shared-memory pages in the order of geometry.py.
 """
 
@@ -27,7 +27,7 @@ import torch
 from mpk.dtypes import DType
 from mpk.tasks.base import (PAGE_BYTES, Access, OpView, OperandSpec, Param, StreamLayout,
                             TaskCost, TaskKind, Tile, split_bounds)
-from mpk.tasks import sampling
+from mpk.tasks import runs, sampling
 from mpk.tasks.linear import geometry as geo
 from mpk.tasks.numerics import bf16, rmsnorm_rows, silu_mul
 from mpk.tasks.registry import register
@@ -77,6 +77,7 @@ class Linear(TaskKind):
         OperandSpec("part_idx", Access.WRITE, optional=True),
         OperandSpec("sampling", Access.READ, optional=True),
         OperandSpec("positions", Access.READ, optional=True),
+        OperandSpec("runs", Access.READ, optional=True),
     )
     params = (
         Param("batch"), Param("k"), Param("n"), Param("tasks"), Param("silu"), Param("rms"),
@@ -158,6 +159,12 @@ class Linear(TaskKind):
             op.expect_dtype("positions", DType.I32)
             op.expect_unsplit("sampling", 0, 1)
             op.expect_unsplit("positions", 0)
+        if op.has("runs"):
+            if not op.has("sampling"):
+                raise op.error("runs are given with sampling and positions")
+            op.expect_shape("runs", (batch, runs.WORDS))
+            op.expect_dtype("runs", DType.I32)
+            op.expect_unsplit("runs", 0, 1)
 
     def _check_splits(self, op: OpView) -> None:
         if op.grid[1] != 1 or op.grid[2] != 1:
@@ -256,7 +263,8 @@ def _ranked(tile: Tile, values: torch.Tensor, first: int) -> torch.Tensor:
     for b in range(values.shape[0]):
         row = sampling.RowSampling.decode(tile["sampling"][b].tolist())
         if row.samples:
-            position = int(tile["positions"][b]) + tile.step
+            position = runs.position(int(tile["positions"][b]),
+                                     tile["runs"][b] if tile.has("runs") else None, tile.step)
             ranked[b] = sampling.perturbed(values[b], row.temperature, row.seed, position, first)
     return ranked
 
