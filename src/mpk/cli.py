@@ -244,7 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--output-len", type=_length_range, default=(16, 128), metavar="LO:HI",
                    help="output lengths, log-uniform (default: 16:128)")
     s.add_argument("--max-batch", type=_positive, default=16, metavar="B",
-                   help="serving slots: one compiled plan of B rows (default: 16)")
+                   help="serving slots: one compiled plan of B rows (default: 16; also the "
+                        "rows --prefill feeds a prompt with)")
+    s.add_argument("--prefill", type=_positive, default=None, metavar="P",
+                   help="instead: time to first token of one P-token prompt fed as a run of "
+                        "every row, against torch (cuBLAS + SDPA) prefilling it in one call")
     _add_backend_arg(s)
 
     pr = command("profile", "Profile one launch on the GPU: a Perfetto trace (one track per SM), "
@@ -526,6 +530,8 @@ def _check_row(row: Any) -> dict[str, Any]:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from mpk.cli_gpu import bench
 
+    if args.prefill is not None and args.serving:
+        raise MpkError("give --serving or --prefill, not both")
     if not args.serving and args.backend == "cpu":
         raise MpkError("mpk bench times the CUDA megakernel; --backend cpu only with --serving")
     return bench(args, _backend(args) if args.serving else None)

@@ -36,6 +36,8 @@ def bench(args: argparse.Namespace, backend: str | None = None) -> int:
 
     if args.serving:
         return _bench_serving(args, backend or "cuda")
+    if args.prefill is not None:
+        return _bench_prefill(args)
     job = BenchJob(_gpu_source(args, "bench"), args.batch, args.new_tokens)
     result = {**run_bench_job(job, args.tp), "random_weights": job.source.checkpoint is None}
     if args.json:
@@ -74,6 +76,32 @@ def _bench_serving(args: argparse.Namespace, backend: str) -> int:
         for line in format_report(result):
             print(line)
     return 0 if result["outputs_equal_solo"] else 1
+
+
+def _bench_prefill(args: argparse.Namespace) -> int:
+    import random
+
+    from mpk.bench.baseline import StaticDecoder
+    from mpk.bench.prefill import format_prefill, run_prefill_bench
+    from mpk.engine.engine import Engine
+
+    source = _gpu_source(args, "bench")
+    cfg = source.cfg
+    weights = source.load("cuda")
+    rng = random.Random(args.seed)
+    prompt = [rng.randrange(cfg.vocab_size) for _ in range(args.prefill)]
+    max_seq = args.prefill + 16
+    engine = Engine(cfg, weights, backend="cuda", max_seq_len=max_seq,
+                    progress=False if args.json else None)
+    model = StaticDecoder(cfg, weights, max_seq)
+    result = {"model": args.checkpoint or args.model, "random_weights": source.checkpoint is None,
+              **run_prefill_bench(engine, model, prompt, args.max_batch)}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for line in format_prefill(result):
+            print(line)
+    return 0
 
 
 def profile(args: argparse.Namespace) -> int:

@@ -1,0 +1,55 @@
+"""The torch prefill of `mpk bench --prefill`, eagerly on the CPU in float32: one call over the
+whole prompt leaves the same KV cache and next-token logits as the baseline decoder fed one
+token per step (which test_baseline.py checks against the reference model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpk.bench.baseline import StaticDecoder
+from mpk.bench.prefill import torch_prefill
+from mpk.models.config import get_preset
+from mpk.models.weights import random_weights
+from mpk.testing import moe_top3_config
+
+MAX_SEQ = 48
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama", "moe"])
+def test_one_call_prefill_equals_token_by_token(name: str) -> None:
+    cfg = moe_top3_config() if name == "moe" else get_preset(name)
+    weights = {k: v.float() for k, v in random_weights(cfg, 3).items()}
+    prompt = torch.randint(cfg.vocab_size, (29,), generator=torch.Generator().manual_seed(5))
+    whole = StaticDecoder(cfg, weights, MAX_SEQ, batch=1, dtype=torch.float32)
+    token = torch_prefill(whole, prompt)
+    stepped = StaticDecoder(cfg, weights, MAX_SEQ, batch=1, dtype=torch.float32)
+    with torch.no_grad():
+        for p, t in enumerate(prompt.tolist()):
+            logits = stepped.logits(torch.tensor([t]), torch.tensor(p))
+    assert int(token) == int(logits.argmax())
+    for a, b in zip(whole.layers, stepped.layers, strict=True):
+        torch.testing.assert_close(a.k_cache[0, :, :29], b.k_cache[0, :, :29], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a.v_cache[0, :, :29], b.v_cache[0, :, :29], rtol=1e-4, atol=1e-4)
+
+
+def test_mpk_prefill_timing_on_the_interpreter() -> None:
+    from mpk.bench.prefill import time_mpk_prefill
+    from mpk.engine import Engine
+
+    cfg = get_preset("tiny-qwen3")
+    engine = Engine(cfg, random_weights(cfg, 3), backend="cpu", num_sms=4, max_seq_len=64,
+                    steps_per_launch=4, progress=False)
+    ms, token, steps = time_mpk_prefill(engine, list(range(1, 41)), max_batch=8, repeats=2)
+    assert ms > 0 and 0 <= token < cfg.vocab_size
+    assert steps == 5  # 40 positions on 8 rows
+
+
+def test_the_cli_prefill_mode_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from mpk.cli import main
+
+    assert main(["bench", "--prefill", "8", "--serving", "--model", "tiny-llama"]) == 2
+    assert "not both" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", "--prefill", "8", "--model", "tiny-llama"]) != 0
+        assert "needs a CUDA GPU" in capsys.readouterr().err
