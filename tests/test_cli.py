@@ -68,6 +68,23 @@ def test_generate_batch_matches_the_reference(capsys: pytest.CaptureFixture[str]
     assert not greedy_mismatches(ref, [[5, 6, 7], [9]], json.loads(out)["token_ids"])
 
 
+def test_generate_feeds_a_long_prompt_on_the_prefill_plan(capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
+    ids = ",".join(str(i % 200 + 1) for i in range(40))
+    base = ("generate", "--model", "tiny-llama", "--backend", "cpu", "--prompt-ids", ids,
+            "--max-new-tokens", "4", "--json")
+    code, out, _ = run(capsys, *base)
+    fast = json.loads(out)
+    code_slow, out, _ = run(capsys, *base, "--prefill-rows", "1")
+    slow = json.loads(out)
+    assert code == code_slow == 0 and fast["token_ids"] == slow["token_ids"]
+    assert slow["timings"]["steps"] == 40 + 3  # one position a step
+    assert fast["timings"]["steps"] == 3 + 3  # 16 positions a step, then 3 decode steps
+    code, _, err = run(capsys, "generate", "--model", "tiny-llama", "--backend", "cpu",
+                       "--prefill-rows", "17")
+    assert code == 2 and "prefill_rows must be at most 16" in err
+
+
 def test_generate_human_output(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "generate", "--model", "tiny-qwen3", "--backend", "cpu",
                        "--max-new-tokens", "2")

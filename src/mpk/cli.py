@@ -182,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode steps per kernel launch (default: 16)")
     g.add_argument("--max-seq-len", type=_positive, default=None, metavar="N",
                    help="KV-cache length per sequence (default: what the request needs)")
+    g.add_argument("--prefill-rows", type=_positive, default=None, metavar="R",
+                   help="rows of the plan that feeds a long prompt many positions a step "
+                        "(chunked prefill), 1-16 (default: 16, the most a plan has; a second "
+                        "plan on the batch's KV cache, built for prompts longer than a launch); "
+                        "1: one position a step")
     g.add_argument("--tp", type=_positive, default=1, metavar="G",
                    help="tensor-parallel ranks, one process (and one GPU) each (default: 1); "
                         "the CUDA all-reduce has not run on GPUs yet")
@@ -381,8 +386,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     job = GenerateJob(ModelSource(cfg, checkpoint, args.weights_seed), prompts,
                       args.max_new_tokens, () if args.ignore_eos else cfg.eos_token_ids, backend,
                       args.num_sms, args.max_seq_len or need, args.steps_per_launch,
-                      progress=False if args.json else None, sampling=sampling,
-                      tokenizer=tokenizer if args.stop else None)
+                      prefill_rows=args.prefill_rows, progress=False if args.json else None,
+                      sampling=sampling, tokenizer=tokenizer if args.stop else None)
     result = run_job(job, args.tp)
     texts = result.texts
     if texts is None and tokenizer is not None:

@@ -91,8 +91,9 @@ def _bench_prefill(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     prompt = [rng.randrange(cfg.vocab_size) for _ in range(args.prefill)]
     max_seq = args.prefill + 16
+    # The prompt runs on exactly --max-batch rows (no wider prefill plan).
     engine = Engine(cfg, weights, backend="cuda", max_seq_len=max_seq,
-                    progress=False if args.json else None)
+                    prefill_rows=args.max_batch, progress=False if args.json else None)
     model = StaticDecoder(cfg, weights, max_seq)
     result = {"model": args.checkpoint or args.model, "random_weights": source.checkpoint is None,
               **run_prefill_bench(engine, model, prompt, args.max_batch)}

@@ -25,15 +25,23 @@ def model(request: pytest.FixtureRequest) -> tuple:
 
 
 @pytest.mark.parametrize("steps_per_launch", [4, 16])
-def test_batch_of_different_lengths_matches_reference(model: tuple, steps_per_launch: int) -> None:
+@pytest.mark.parametrize("prefill_rows", [1, 16])
+def test_batch_of_different_lengths_matches_reference(model: tuple, steps_per_launch: int,
+                                                      prefill_rows: int) -> None:
+    """One position per step (prefill_rows 1), or long prompts fed as runs on the 16-row
+    prefill plan, which shares the batch's KV cache: the same greedy tokens either way."""
     cfg, weights, _, ref = model
     engine = Engine(cfg, weights, backend="cpu", max_seq_len=MAX_SEQ,
-                    steps_per_launch=steps_per_launch)
+                    steps_per_launch=steps_per_launch, prefill_rows=prefill_rows)
     result = engine.generate(PROMPTS, NEW)
     assert not greedy_mismatches(ref, PROMPTS, result.token_ids)
     steps = max(len(p) for p in PROMPTS) + NEW - 1
-    assert result.timings["steps"] == steps
-    assert result.timings["launches"] == -(-steps // steps_per_launch)
+    if prefill_rows == 1 or max(map(len, PROMPTS)) <= steps_per_launch:
+        assert result.timings["steps"] == steps
+        assert result.timings["launches"] == -(-steps // steps_per_launch)
+    else:
+        assert result.timings["steps"] < steps
+        assert set(engine.plans) == {len(PROMPTS)}  # the prefill plan is not a batch's plan
     for key in ("compile_s", "load_s", "prefill_s", "decode_s", "ms_per_token"):
         assert result.timings[key] >= 0
 

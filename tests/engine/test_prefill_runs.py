@@ -17,11 +17,12 @@ SEED = 99
 LONG = [(7 * i + 3) % 251 + 1 for i in range(45)]
 
 
-def engine_for(name: str, steps: int = 4) -> tuple[Engine, object, dict]:
+def engine_for(name: str, steps: int = 4, prefill_rows: int = 16
+               ) -> tuple[Engine, object, dict]:
     cfg = get_preset(name)
     weights = random_weights(cfg, seed=SEED)
     return Engine(cfg, weights, backend="cpu", num_sms=4, max_seq_len=96,
-                  steps_per_launch=steps, progress=False), cfg, weights
+                  steps_per_launch=steps, progress=False, prefill_rows=prefill_rows), cfg, weights
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama", "tiny-qwen3-moe"])
@@ -45,9 +46,15 @@ def test_a_long_prompt_beside_a_decoding_request_matches_the_reference(name: str
 
 
 def test_seeded_sampling_is_the_same_from_a_run_and_from_one_row() -> None:
-    engine, cfg, weights = engine_for("tiny-qwen3")
     params = SamplingParams(max_tokens=8, temperature=0.9, seed=1234)
-    alone = engine.generate([LONG], max_new_tokens=8, sampling=params).token_ids[0]
+    narrow, _, _ = engine_for("tiny-qwen3", prefill_rows=1)
+    alone = narrow.generate([LONG], max_new_tokens=8, sampling=params)
+    assert alone.timings["steps"] == len(LONG) + 7  # one position per step
+    engine, cfg, weights = engine_for("tiny-qwen3")
+    wide = engine.generate([LONG], max_new_tokens=8, sampling=params)
+    assert wide.token_ids == alone.token_ids
+    assert wide.timings["steps"] < 20  # the prompt went in on the 16-row prefill plan
+    alone = alone.token_ids[0]
     engine.start(max_batch=4)
     try:
         wide = engine.submit(LONG, params).result(timeout=300).token_ids
@@ -56,3 +63,19 @@ def test_seeded_sampling_is_the_same_from_a_run_and_from_one_row() -> None:
         engine.stop()
     assert wide == alone
     assert steps < 30  # the prompt went in as a run
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3-moe"])
+def test_generate_feeds_a_long_prompt_on_the_prefill_plan(name: str) -> None:
+    """Engine.generate of one prompt: the batch-1 plan decodes, the 16-row prefill plan (same
+    KV cache, built on first use) feeds the prompt 16 positions a step."""
+    engine, cfg, weights = engine_for(name, steps=8)
+    result = engine.generate([LONG], max_new_tokens=10)
+    bad = greedy_mismatches(ReferenceModel(cfg, weights, max_seq=96), [LONG], result.token_ids)
+    assert not bad, "; ".join(bad)
+    assert result.timings["steps"] <= -(-len(LONG) // 16) + 1 + 9
+    again = engine.generate([LONG[:30]], max_new_tokens=10)  # both plans reused, pages too
+    bad = greedy_mismatches(ReferenceModel(cfg, weights, max_seq=96), [LONG[:30]],
+                            again.token_ids)
+    assert not bad, "; ".join(bad)
+    assert again.timings["compile_s"] == 0.0

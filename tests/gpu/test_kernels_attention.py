@@ -21,19 +21,22 @@ def rope_table(max_pos: int, d: int) -> torch.Tensor:
 
 def attention_case(group: int, d: int, splits: int, lengths=(1, 17, 300), steps: int = 1,
                    qk_norm: bool = True, kv_heads: int = 2, max_pos: int | None = None,
-                   seed: int = 0, widths: tuple[int, ...] | None = None) -> None:
+                   seed: int = 0, widths: tuple[int, ...] | None = None,
+                   runs: list[list[int]] | None = None, max_pages: int | None = None) -> None:
     """One row per length, or with `widths` a run of widths[j] rows per length (tasks/runs.py:
-    row i of run j starts at position lengths[j] - 1 + i and shares the run's pages)."""
+    row i of run j starts at position lengths[j] - 1 + i and shares the run's pages). `runs`
+    replaces the rows' RUNS words (bad words are clamped alike on both sides); `max_pages`
+    the page table's width."""
     g = gen(seed)
     widths = widths or (1,) * len(lengths)
     batch, page_size = sum(widths), 16
-    max_pages = (max(n + steps * w for n, w in zip(lengths, widths)) + page_size - 1) \
-        // page_size + 1
+    max_pages = max_pages or (max(n + steps * w for n, w in zip(lengths, widths)) +
+                              page_size - 1) // page_size + 1
     num_pages = len(lengths) * max_pages
     seq_pages = torch.randperm(num_pages, generator=g).to(torch.int32).reshape(-1, max_pages)
     rows = [(j, i) for j, w in enumerate(widths) for i in range(w)]
     table = torch.stack([seq_pages[j] for j, _ in rows])
-    runs = torch.tensor([[i, widths[j]] for j, i in rows], dtype=torch.int32)
+    runs = torch.tensor(runs or [[i, widths[j]] for j, i in rows], dtype=torch.int32)
     cache = (num_pages, page_size, kv_heads, d)
     max_pos = max_pos or max_pages * page_size
     width = kv_heads * (group + 2) * d
@@ -105,3 +108,17 @@ def test_attention_runs_read_their_earlier_rows_of_the_step(splits):
 
 def test_attention_a_run_of_sixteen_rows_at_head_dim_256():
     attention_case(4, 256, 1, lengths=(30,), widths=(16,), qk_norm=False, seed=5)
+
+
+def test_attention_bad_run_words_are_clamped_alike():
+    """Index past the row or the width, width 0 or negative: the kernel clamps the words as
+    tasks/runs.py does (a wrong answer for that row at worst, never an access outside it)."""
+    attention_case(2, 64, 2, lengths=(3, 20, 9), widths=(2, 1, 2),
+                   runs=[[5, 0], [-3, -1], [9, 2], [1, 4], [7, 3]], steps=2, seed=31)
+
+
+def test_attention_a_run_past_its_page_table():
+    """A run whose later steps reach positions past the page table (inside the rope table):
+    those positions are neither written nor attended, on both sides."""
+    attention_case(2, 64, 1, lengths=(26,), widths=(4,), steps=3, max_pages=2, max_pos=64,
+                   seed=32)

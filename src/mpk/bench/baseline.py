@@ -133,16 +133,24 @@ class StaticDecoder(nn.Module):
     def device(self) -> torch.device:
         return self.embed.device
 
+    def qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [N, heads, D], k and v [N, kv_heads, D] of x [N, hidden] (the input-normed rows),
+        q and k normed (Qwen3) and rotated with cos / sin [N, 1, D/2]."""
+        cfg = self.cfg
+        n, d, h, kvh = x.shape[0], cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        q, k, v = F.linear(x, layer.wqkv).split([h * d, kvh * d, kvh * d], dim=-1)
+        q, k, v = q.view(n, h, d), k.view(n, kvh, d), v.view(n, kvh, d)
+        if cfg.qk_norm:
+            q = _rms_norm(q, layer.q_norm, cfg.rms_eps)
+            k = _rms_norm(k, layer.k_norm, cfg.rms_eps)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
     def _attention(self, layer: _Layer, x: torch.Tensor, pos: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         b, d, h, kvh = x.shape[0], cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        q, k, v = F.linear(x, layer.wqkv).split([h * d, kvh * d, kvh * d], dim=-1)
-        q, k, v = q.view(b, h, d), k.view(b, kvh, d), v.view(b, kvh, d)
-        if cfg.qk_norm:
-            q = _rms_norm(q, layer.q_norm, cfg.rms_eps)
-            k = _rms_norm(k, layer.k_norm, cfg.rms_eps)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        q, k, v = self.qkv(layer, x, cos, sin)
         if pos.dim() == 0:  # one shared position (the benchmark case): gpt-fast's index_copy_
             layer.k_cache.index_copy_(2, pos.view(1), k.unsqueeze(2))
             layer.v_cache.index_copy_(2, pos.view(1), v.unsqueeze(2))

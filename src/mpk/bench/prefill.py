@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mpk.bench.baseline import StaticDecoder, _rms_norm, _rope
+from mpk.bench.baseline import StaticDecoder, _rms_norm
 from mpk.engine.engine import Engine
 from mpk.engine.requests import SamplingParams
 
@@ -29,17 +29,11 @@ def torch_prefill(model: StaticDecoder, tokens: torch.Tensor) -> torch.Tensor:
     """Run tokens [P] (long, on the model's device) from position 0: writes the KV cache of
     row 0 for positions 0 .. P-1 and returns the greedy next token ([] long)."""
     cfg = model.cfg
-    n, d, h, kvh = tokens.shape[0], cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    n, d, h = tokens.shape[0], cfg.head_dim, cfg.num_heads
     cos, sin = model.cos[:n].unsqueeze(1), model.sin[:n].unsqueeze(1)  # [P, 1, D/2]
     x = F.embedding(tokens, model.embed)
     for layer in model.layers:
-        y = _rms_norm(x, layer.input_norm, cfg.rms_eps)
-        q, k, v = F.linear(y, layer.wqkv).split([h * d, kvh * d, kvh * d], dim=-1)
-        q, k, v = q.view(n, h, d), k.view(n, kvh, d), v.view(n, kvh, d)
-        if cfg.qk_norm:
-            q = _rms_norm(q, layer.q_norm, cfg.rms_eps)
-            k = _rms_norm(k, layer.k_norm, cfg.rms_eps)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        q, k, v = model.qkv(layer, _rms_norm(x, layer.input_norm, cfg.rms_eps), cos, sin)
         layer.k_cache[0, :, :n] = k.transpose(0, 1)
         layer.v_cache[0, :, :n] = v.transpose(0, 1)
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],

@@ -34,6 +34,7 @@ from mpk.graph.graph import DEFAULT_NUM_SMS
 from mpk.models.builder import DecodeShape, build_graph, graph_weights
 from mpk.models.config import ModelConfig
 from mpk.parallel.tp import TensorParallel
+from mpk.tasks.linear.task import MAX_BATCH
 
 log = logging.getLogger(__name__)
 
@@ -49,33 +50,42 @@ class EngineConfig:
     page_size: int = 16
     max_seq_len: int = DEFAULT_MAX_SEQ_LEN
     steps_per_launch: int = 16
+    # Rows of the plan that feeds long prompts (chunked prefill) when the batch's own plan has
+    # fewer: compiled on first use, on the same KV cache (1: never).
+    prefill_rows: int = MAX_BATCH
 
     def __post_init__(self) -> None:
         get_backend(self.backend)
-        for name in ("num_sms", "page_size", "max_seq_len", "steps_per_launch"):
+        for name in ("num_sms", "page_size", "max_seq_len", "steps_per_launch", "prefill_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise MpkError(f"engine option {name} must be a positive integer, got {value!r}")
+        if self.prefill_rows > MAX_BATCH:
+            raise MpkError(f"engine option prefill_rows must be at most {MAX_BATCH} (the rows "
+                           f"a plan can have), got {self.prefill_rows}")
 
     @property
     def max_pages(self) -> int:
         """Pages one row needs for max_seq_len positions (the page table's width)."""
         return -(-self.max_seq_len // self.page_size)
 
-    def decode_shape(self, batch: int) -> DecodeShape:
-        """The compile-time sizes for `batch` rows: every row may fill its whole page table."""
+    def decode_shape(self, batch: int, pool_rows: int | None = None) -> DecodeShape:
+        """The compile-time sizes for `batch` rows on a KV pool of `pool_rows` (default: batch)
+        rows' pages: every row may fill its whole page table."""
         return DecodeShape(batch=batch, steps_per_launch=self.steps_per_launch,
                            page_size=self.page_size, max_pages=self.max_pages,
-                           num_pages=batch * self.max_pages)
+                           num_pages=(pool_rows or batch) * self.max_pages)
 
 
 @dataclass
 class _Runner:
-    """Everything compiled and allocated for one batch size."""
+    """Everything compiled and allocated for one batch size; `wide`, once a long prompt asked
+    for it: the prefill plan's executor on the same KV cache."""
 
     plan: Plan
     executor: Executor
     cache: KvCache
+    wide: Executor | None = None
 
 
 class Engine:
@@ -96,7 +106,7 @@ class Engine:
                  backend: str = "cpu", num_sms: int | None = None, page_size: int = 16,
                  max_seq_len: int | None = None, steps_per_launch: int = 16,
                  device: str | torch.device | None = None, progress: bool | None = None,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, prefill_rows: int | None = None) -> None:
         if tp is not None and tp.size > 1:
             tp.check(cfg)
         self.tp = tp if tp is not None and tp.size > 1 else None
@@ -107,7 +117,8 @@ class Engine:
             num_sms = get_backend(backend).num_sms(device)
         self.options = EngineConfig(backend=backend, num_sms=num_sms,
                                     page_size=page_size, max_seq_len=max_seq_len,
-                                    steps_per_launch=steps_per_launch)
+                                    steps_per_launch=steps_per_launch,
+                                    prefill_rows=prefill_rows or MAX_BATCH)
         if max_seq_len > cfg.max_position:
             raise MpkError(f"max_seq_len {max_seq_len} exceeds the model's max_position "
                            f"{cfg.max_position}")
@@ -133,10 +144,7 @@ class Engine:
         if self._serving is not None:
             raise MpkError("the engine is already serving")
         timings = {"compile_s": 0.0, "load_s": 0.0}
-        runner = self._runner(max_batch, timings)
-        sched = Scheduler(runner.executor, runner.cache.pool, max_batch, self.options.max_pages,
-                          self.options.steps_per_launch, detokenize=detokenize)
-        self._serving = ServingLoop(sched)
+        self._serving = ServingLoop(self._scheduler(max_batch, timings, detokenize))
 
     def submit(self, prompt: Sequence[int], params: SamplingParams | None = None) -> RequestHandle:
         """Queue one request (after start()); iterate the handle for its tokens."""
@@ -189,9 +197,7 @@ class Engine:
             texts = [r.text for r in results]
             return GenerationResult([r.token_ids for r in results], timings,
                                     None if None in texts else texts)
-        runner = self._runner(len(rows), timings)
-        sched = Scheduler(runner.executor, runner.cache.pool, len(rows), self.options.max_pages,
-                          self.options.steps_per_launch, detokenize=detokenize)
+        sched = self._scheduler(len(rows), timings, detokenize)
         handles = [sched.submit(RequestHandle(row, params)) for row in rows]
         total = max(len(r) + max_new_tokens - 1 for r in rows)
         with tqdm(total=total, desc="generating", unit="step", disable=not self.progress,
@@ -222,26 +228,24 @@ class Engine:
         return rows
 
     # ---- one compiled plan per batch size ----------------------------------------------------
+    def _scheduler(self, batch: int, timings: dict[str, float],
+                   detokenize: Detokenize | None) -> Scheduler:
+        runner = self._runner(batch, timings)
+        wide = None
+        if self.options.prefill_rows > batch:
+            def wide() -> tuple[Executor, int]:
+                return self._wide(batch, timings), self.options.prefill_rows
+        return Scheduler(runner.executor, runner.cache.pool, batch, self.options.max_pages,
+                         self.options.steps_per_launch, detokenize=detokenize, wide=wide)
+
     def _runner(self, batch: int, timings: dict[str, float]) -> _Runner:
         if batch in self._runners:
             return self._runners[batch]
         opts = self.options
         shape = opts.decode_shape(batch)
-        with self._status(f"compiling {self.cfg.name or self.cfg.arch} for batch {batch}"):
-            start = time.perf_counter()
-            graph = build_graph(self.cfg, shape, num_sms=opts.num_sms, tp=self.tp)
-            plan = compile_cached(graph, num_sms=opts.num_sms)
-            timings["compile_s"] += time.perf_counter() - start
-        log.info("compiled batch %d: %d tasks in %.2f s", batch, plan.num_tasks,
-                 timings["compile_s"])
+        plan = self._compile(shape, timings)
         start = time.perf_counter()
-        # The CUDA executor runs on the engine's device; the interpreter always on the CPU.
-        if self.tp is not None and opts.backend == "cpu":
-            from mpk.parallel.group import rank_executor
-
-            executor: Executor = rank_executor(plan)
-        else:
-            executor = create_executor(plan, opts.backend, device=self.device)
+        executor = self._executor(plan)
         kv_heads = self.cfg.num_kv_heads // (self.tp.size if self.tp else 1)
         cache = KvCache(KvShape(self.cfg.num_layers, shape.num_pages, opts.page_size,
                                 kv_heads, self.cfg.head_dim), device=self.device)
@@ -249,6 +253,37 @@ class Engine:
         timings["load_s"] += time.perf_counter() - start
         self._runners[batch] = _Runner(plan, executor, cache)
         return self._runners[batch]
+
+    def _wide(self, batch: int, timings: dict[str, float]) -> Executor:
+        """The prefill plan of the batch-`batch` runner: prefill_rows rows on its KV cache."""
+        runner = self._runners[batch]
+        if runner.wide is None:
+            plan = self._compile(self.options.decode_shape(self.options.prefill_rows, batch),
+                                 timings)
+            start = time.perf_counter()
+            runner.wide = self._executor(plan)
+            _bind_all(plan, runner.wide, self._weights, runner.cache, self.device)
+            timings["load_s"] += time.perf_counter() - start
+        return runner.wide
+
+    def _compile(self, shape: DecodeShape, timings: dict[str, float]) -> Plan:
+        opts = self.options
+        with self._status(f"compiling {self.cfg.name or self.cfg.arch} for batch {shape.batch}"):
+            start = time.perf_counter()
+            graph = build_graph(self.cfg, shape, num_sms=opts.num_sms, tp=self.tp)
+            plan = compile_cached(graph, num_sms=opts.num_sms)
+            timings["compile_s"] += time.perf_counter() - start
+        log.info("compiled batch %d: %d tasks in %.2f s", shape.batch, plan.num_tasks,
+                 timings["compile_s"])
+        return plan
+
+    def _executor(self, plan: Plan) -> Executor:
+        # The CUDA executor runs on the engine's device; the interpreter always on the CPU.
+        if self.tp is not None and self.options.backend == "cpu":
+            from mpk.parallel.group import rank_executor
+
+            return rank_executor(plan)
+        return create_executor(plan, self.options.backend, device=self.device)
 
     @contextmanager
     def _status(self, message: str) -> Iterator[None]:

@@ -7,7 +7,10 @@ first come first served, as long as a row and the pages for the request's whole 
 every running request gets one row; rows left over go, oldest first, to requests that still have
 several prompt tokens to feed, as a run (tasks/runs.py): w rows that take w consecutive prompt
 positions per step, so a long prompt is fed up to B tokens a step beside the decoding rows (a
-run is cut to what fills the launch's steps). A row alone is forced to its prompt token while
+run is cut to what fills the launch's steps). When the spare rows cannot feed every prompt
+within the launch and the engine has a wider plan on the same KV cache and page pool (its
+prefill plan, EngineConfig.prefill_rows), the launch runs there instead, with the same layout
+rules over its rows. A row alone is forced to its prompt token while
 inside the prompt and embeds its own previous token after it; a request's first row in a launch
 is forced to its last token, so a request may change rows between launches. A request's j-th
 token comes from the step at its position len(prompt) - 1 + j. An unused row runs on a page
@@ -38,6 +41,9 @@ from mpk.tasks.runs import encode as run_words
 log = logging.getLogger(__name__)
 
 Detokenize = Callable[[list[int]], str]
+# A plan of more rows than the slots that shares their KV cache and page pool, built on first
+# use: (its executor, its rows).
+WidePlan = Callable[[], tuple[Executor, int]]
 
 
 @dataclass
@@ -87,11 +93,15 @@ class Scheduler:
     def __init__(self, executor: Executor, pool: PagePool, slots: int, max_pages: int,
                  steps_per_launch: int, eos_token_ids: Iterable[int] = (),
                  detokenize: Detokenize | None = None, sampling: bool = True,
-                 runs: bool = True) -> None:
+                 runs: bool = True, wide: WidePlan | None = None) -> None:
         """`sampling`, `runs`: the plan has the SAMPLING / RUNS input (every model plan does;
-        test doubles of an executor may not). Without RUNS every request holds one row."""
+        test doubles of an executor may not). Without RUNS every request holds one row.
+        `wide`: a plan of more rows on the same KV cache; a launch in which some prompt would
+        not be fed within its steps runs there, its extra rows feeding prompts."""
         self.executor, self.pool = executor, pool
         self.sampling, self.runs = sampling, runs
+        self._wide_plan = wide if runs else None
+        self._wide: tuple[Executor, int] | None = None
         self.slots, self.max_pages, self.steps_per_launch = slots, max_pages, steps_per_launch
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.detokenize = detokenize
@@ -131,14 +141,15 @@ class Scheduler:
         if not self.running:
             return 0
         n = min(self.steps_per_launch, max(r.steps_left for r in self.running))
-        layout = self._layout(n)
+        executor, rows = self._plan_for(n)
+        layout = self._layout(n, rows)
         # A run stops being useful once its prompt is fed: no longer launch than the rows need.
         n = min(n, max(-(-r.run.prompt_left // r.width) if r.is_run else r.run.steps_left
                        for r in layout))
-        self._write_inputs(layout)
+        self._write_inputs(executor, layout, rows)
         start = time.perf_counter()
-        self.executor.run(n)
-        produced = self.executor.read(io.TOKENS_OUT)
+        executor.run(n)
+        produced = executor.read(io.TOKENS_OUT)
         end = time.perf_counter()
         self.stats.steps += n
         self.stats.launches += 1
@@ -201,12 +212,25 @@ class Scheduler:
                 self.running.append(_Running(handle, pages, stop_ids=stop_ids,
                                              sampling_words=sampling_words(params)))
 
-    def _layout(self, n: int) -> list[_Rows]:
+    def _plan_for(self, n: int) -> tuple[Executor, int]:
+        """The executor of this launch and its rows: the wide plan when a prompt would not be
+        fed within n steps on the slots' spare rows, else the slots' own plan."""
+        if self._wide_plan is not None:
+            spare = self.slots - len(self.running)
+            needs = sum(-(-r.prompt_left // n) - 1 for r in self.running if r.prompt_left > n)
+            if needs > spare:
+                if self._wide is None:
+                    self._wide = self._wide_plan()
+                if self._wide[1] > self.slots:
+                    return self._wide
+        return self.executor, self.slots
+
+    def _layout(self, n: int, rows: int) -> list[_Rows]:
         """One row per running request; the spare rows, oldest request first, widen the
         requests whose prompt would not be fed within n steps into runs that feed it in n;
         rows still spare widen those runs further (so the launch can end sooner)."""
         widths = [1] * len(self.running)
-        spare = self.slots - len(self.running) if self.runs else 0
+        spare = rows - len(self.running) if self.runs else 0
         needy = [k for k, run in enumerate(self.running) if run.prompt_left > n]
         for k in needy:  # enough rows to feed the prompt within n steps
             grow = min(spare, -(-self.running[k].prompt_left // n) - 1)
@@ -222,8 +246,8 @@ class Scheduler:
             first += width
         return layout
 
-    def _write_inputs(self, layout: list[_Rows]) -> None:
-        steps, slots = self.steps_per_launch, self.slots
+    def _write_inputs(self, executor: Executor, layout: list[_Rows], slots: int) -> None:
+        steps = self.steps_per_launch
         prompt = torch.zeros((steps, slots), dtype=torch.int32)  # unused rows embed token 0
         positions = torch.zeros(slots, dtype=torch.int32)
         table = torch.full((slots, self.max_pages), io.NO_PAGE, dtype=torch.int32)
@@ -239,13 +263,13 @@ class Scheduler:
                 words[b] = torch.tensor(run.sampling_words, dtype=torch.int32)
                 runs[b] = torch.tensor(run_words(i, rows.width), dtype=torch.int32)
                 prompt[:, b] = torch.tensor(self._forced(rows, i), dtype=torch.int32)
-        self.executor.write(io.PROMPT, prompt)
-        self.executor.write(io.POSITIONS, positions)
-        self.executor.write(io.PAGE_TABLE, table)
+        executor.write(io.PROMPT, prompt)
+        executor.write(io.POSITIONS, positions)
+        executor.write(io.PAGE_TABLE, table)
         if self.sampling:
-            self.executor.write(io.SAMPLING, words)
+            executor.write(io.SAMPLING, words)
         if self.runs:
-            self.executor.write(io.RUNS, runs)
+            executor.write(io.RUNS, runs)
 
     def _forced(self, rows: _Rows, i: int) -> list[int]:
         """Row i's PROMPT column: its prompt tokens; past the prompt a run row embeds token 0

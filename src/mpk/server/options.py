@@ -31,6 +31,7 @@ class ServeOptions:
     max_batch: int = DEFAULT_MAX_BATCH
     max_seq_len: int | None = None  # None: the engine's default (2048 or the model's limit)
     steps_per_launch: int = DEFAULT_STEPS_PER_LAUNCH
+    prefill_rows: int | None = None  # None: the engine's default (the most rows a plan has)
     num_sms: int | None = None
     api_key: str | None = None
     served_model_name: str | None = None
@@ -67,6 +68,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="N",
                    help=f"decode steps per kernel launch (default: {DEFAULT_STEPS_PER_LAUNCH}); "
                         f"a launch's tokens reach clients together")
+    p.add_argument("--prefill-rows", type=positive, default=None, metavar="R",
+                   help="rows of the plan that feeds long prompts many positions a step "
+                        "(chunked prefill), 1-16 (default: 16, the most a plan has); with "
+                        "more rows than --max-batch it is a second plan on the same KV cache, "
+                        "built when a long prompt first arrives; 1: one position a step")
     p.add_argument("--num-sms", type=positive, default=None, metavar="N",
                    help="SMs (persistent CTAs) to compile for (default: every SM of the GPU, "
                         "or 4 on the CPU interpreter)")
@@ -85,7 +91,8 @@ def options_from_args(args: argparse.Namespace, backend: str) -> ServeOptions:
     return ServeOptions(preset=None if args.checkpoint else args.model,
                         checkpoint=args.checkpoint, backend=backend, host=args.host,
                         port=args.port, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-                        steps_per_launch=args.steps_per_launch, num_sms=args.num_sms,
+                        steps_per_launch=args.steps_per_launch,
+                        prefill_rows=args.prefill_rows, num_sms=args.num_sms,
                         api_key=args.api_key or env.api_key(),
                         served_model_name=args.served_model_name,
                         weights_seed=args.weights_seed)

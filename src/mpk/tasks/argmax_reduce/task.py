@@ -82,6 +82,7 @@ class ArgmaxReduce(TaskKind):
             op.expect_shape("runs", (batch, runs.WORDS))
             op.expect_dtype("runs", DType.I32)
             op.expect_same_split("runs", 0, "part_val", 0)
+            op.expect_unsplit("runs", 1)
 
     def param_values(self, op: OpView) -> dict[str, int | float]:
         batch, tiles = op.shape("part_val")

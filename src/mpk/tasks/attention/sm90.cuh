@@ -1,7 +1,7 @@
 // attention, sm_90a: q/k RMSNorm + RoPE + KV append + decode attention of one KV-head tile,
 // batch row(s) and KV split (semantics in task.py).
 //
-// Layouts (default splits; grid = (KV-head tiles, B, S)), W = (G+2)*D:
+// Layouts (default splits; grid = (KV-head tiles, B, S)), W = (G+2)*D elements per head:
 //   qkv tile = qkv[0, h0*W] (every row: a run reads its earlier rows): row b, head hh, vector j
 //              at + (b*KVH + hh)*W + j*D
 //   k_cache / v_cache tile = cache[0, 0, h0, 0]: (page, slot, hh, d) at
@@ -64,7 +64,7 @@ struct Ctx {
 
 // Shared memory (one (row, head) at a time):
 //   wo [kWarps][8][D] f32 | wm, wl [kWarps][8] f32 | ps [kWarps][2][8][16] bf16 |
-//   qs [G][D] bf16 (prepared queries) | kn, vn [B][D] bf16 (this step's keys and values, by
+//   qs [G][D] bf16 (prepared queries) | knew, vnew [B][D] bf16 (this step's keys and values, by
 //   position from the split's first one: at most B, a run's width) |
 //   buf [kWarps][D] f32 (RoPE partners) | pages [..] i32
 struct Layout {
@@ -158,7 +158,8 @@ __device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* sme
 // ---- phase 2: attention of 8 query heads over this split's positions -------------------------
 struct Range {
   int lo, hi;  // the split's positions
-  int flo;     // positions [flo, hi) are this step's (from shared memory); flo >= lo
+  int flo;     // positions [flo, hi) are this step's: read from shared memory (when their page
+               // entry is valid; masked otherwise, as every position); flo >= lo
   int p_first, staged;
 };
 
@@ -197,12 +198,8 @@ __device__ __forceinline__ void attend(const Ctx& c, const Layout& L, char* smem
     if (q >= R.flo) return fresh + (q - R.flo) * D;
     return cache + (((long long)page * c.PS + (q - pi * c.PS)) * c.KVH + hh) * D;
   };
-  // knew and vnew are one block of shared memory: a row inside it is this step's.
-  const unsigned fresh_bytes = 2u * c.B * D * 2u;
-  auto in_smem = [&](const bf16* row) -> bool {
-    return (unsigned long long)(reinterpret_cast<const char*>(row) -
-                                reinterpret_cast<const char*>(knew)) < fresh_bytes;
-  };
+  // row_of's rows are this step's copies in shared memory or cache rows in global memory.
+  auto in_smem = [](const bf16* row) -> bool { return __isShared(row) != 0; };
   // 16 (8, 4) bytes of a row at element e: shared memory for this step's rows, else L2.
   auto ld16 = [&](const bf16* row, int e) -> uint4 {
     if (row == nullptr) return make_uint4(0u, 0u, 0u, 0u);

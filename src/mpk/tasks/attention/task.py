@@ -10,7 +10,8 @@ a run of width w that shares its pages; absent: every row alone, i = 0, w = 1).
 Per row b, p = positions[b] + step * w, L = p + 1:
   1. q, k = RoPE(RMSNorm(q), RMSNorm(k)) (the norm only with q_norm/k_norm; rotate-half RoPE in
      fp32, rounded to bf16 once); v as is. The same for the keys and values of rows b-i .. b-1
-     at positions p-i .. p-1 (this step's earlier run rows).
+     at positions p-i .. p-1 (this step's earlier run rows; those >= 0, and per split those
+     inside its range).
   2. the split that covers position p writes k and v there (page page_table[b, p // page_size],
      slot p % page_size); every split reads only its own positions, and positions p-i .. p come
      from step 1, so no task reads a position another task of this step writes.
@@ -117,6 +118,7 @@ class Attention(TaskKind):
             op.expect_shape("runs", (batch, runs.WORDS))
             op.expect_dtype("runs", DType.I32)
             op.expect_same_split("runs", 0, "positions", 0)
+            op.expect_unsplit("runs", 1)
         if op.axis_of("qkv", 1) != 0 or op.axis_of("positions", 0) != 1 or \
                 op.grid[:2] != (kv_heads, batch):
             raise op.error(f"the grid is (KV heads, batch rows, KV splits) = ({kv_heads}, "

@@ -20,9 +20,10 @@ __device__ __forceinline__ RowRun row_run(const int* words, int row) {
   return RowRun{index, width};
 }
 
-// The row's position at local step `step` (`start`: its positions entry).
+// The row's position at local step `step` (`start`: its positions entry): only the width.
 __device__ __forceinline__ long long row_position(int start, const int* words, int step) {
-  return (long long)start + (long long)step * row_run(words, 0).width;
+  const int width = words == nullptr ? 1 : max(ld_act_i32(words + RUN_WIDTH), 1);
+  return (long long)start + (long long)step * width;
 }
 
 }  // namespace mpk::dev
