@@ -8,6 +8,10 @@
 #                                          (GB/s per SM by page count, page size, L2 vs HBM, ...),
 #                                          then probe_phases.py (a linear task's phases, ablations)
 #   bash scripts/gpu_check.sh tp           tensor parallelism (needs >= 2 GPUs: nvidia-h200-x2+)
+#   bash scripts/gpu_check.sh prefill      mpk bench --prefill (TTFT of one long prompt fed as a
+#                                          run of 16 rows vs torch cuBLAS + SDPA) on qwen3-0.6b and
+#                                          qwen3-8b (PREFILL, default 2048), then the serving bench
+#                                          with long prompts (64-1024 tokens) on qwen3-0.6b
 #   bash scripts/gpu_check.sh serve        mpk bench --serving (engine: 16 slots vs one request,
 #                                          outputs equal solo runs) on qwen3-0.6b and qwen3-8b, then
 #                                          scripts/bench_serve.py against `mpk serve --backend cuda`
@@ -108,6 +112,14 @@ case $mode in
       --launch "python3 -m mpk serve --backend cuda --model ${SERVE_MODEL:-qwen3-8b} \
       --max-batch 16 --port 0" --out "$OUT/bench-serve.json"
     ;;
-  *) echo "unknown mode $mode (use correctness, real, perf, probe, tp or serve)"; exit 2 ;;
+  prefill)
+    for model in qwen3-0.6b qwen3-8b; do
+      step "prefill-$model" 200 python3 -m mpk bench --prefill "${PREFILL:-2048}" \
+        --model "$model" --max-batch 16 --json
+    done
+    step bench-serving-long 200 python3 -m mpk bench --serving --model qwen3-0.6b \
+      --requests 32 --max-batch 16 --prompt-len 64:1024 --json
+    ;;
+  *) echo "unknown mode $mode (use correctness, real, perf, probe, tp, serve or prefill)"; exit 2 ;;
 esac
 exit $status
