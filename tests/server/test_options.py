@@ -24,3 +24,8 @@ def test_the_api_key_comes_from_the_flag_or_the_environment(
     assert _options(monkeypatch, "env-key").api_key == "env-key"
     assert _options(monkeypatch, "env-key", "--api-key", "flag").api_key == "flag"
     assert _options(monkeypatch, None, "--weights-seed", "7").weights_seed == 7
+
+
+def test_prefill_rows_reach_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _options(monkeypatch, None).prefill_rows is None  # the engine's default
+    assert _options(monkeypatch, None, "--prefill-rows", "1").prefill_rows == 1
