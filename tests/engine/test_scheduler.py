@@ -318,3 +318,66 @@ def test_without_the_runs_input_every_request_holds_one_row() -> None:
     drain(sched)
     assert h.result().token_ids == solo(prompt, 5)
     assert sched.stats.steps == len(prompt) + 5 - 1
+
+
+@pytest.mark.parametrize("slots", [2, 3, 5, 8])
+@pytest.mark.parametrize("steps", [1, 2, 3, 7])
+def test_every_prompt_length_through_runs(slots: int, steps: int) -> None:
+    """Prompt lengths 1-33 with 1-3 tokens each, on every run width the slots allow: the first
+    token (which a run's last prompt position yields) and the rest equal the solo run."""
+    sched, ex = make(slots, steps, pages=400)
+    cases = [(n, 1 + n % 3) for n in range(1, 34)]
+    handles = [sched.submit(RequestHandle([(7 * i + n) % VOCAB for i in range(n)],
+                                          SamplingParams(max_tokens=m))) for n, m in cases]
+    drain(sched)
+    for (n, m), h in zip(cases, handles):
+        assert h.result().token_ids == solo(h.prompt, m), (n, m)
+    assert sched.pool.num_free == 400
+
+
+def test_a_stop_id_at_the_first_token_of_a_run() -> None:
+    prompt = [(5 * i + 1) % VOCAB for i in range(30)]
+    first = solo(prompt, 1)[0]
+    sched, ex = make(6, 4, eos_token_ids=[first])
+    h = sched.submit(RequestHandle(prompt, SamplingParams(max_tokens=10)))
+    drain(sched)
+    assert h.result().token_ids == [first] and h.result().finish_reason is FinishReason.STOP
+    assert max(ex.widths) > 1 and sched.pool.num_free == 64
+
+
+def test_cancelling_a_request_while_its_prompt_runs_frees_its_rows() -> None:
+    long = [(3 * i + 2) % VOCAB for i in range(60)]
+    sched, ex = make(4, 2)
+    a = sched.submit(RequestHandle(long, SamplingParams(max_tokens=5)))
+    sched.step()
+    assert ex.widths[-1] == 4 and not a.done  # still feeding its prompt
+    a.cancel()
+    b = sched.submit(RequestHandle([4, 4], SamplingParams(max_tokens=6)))
+    drain(sched)
+    assert a.result().finish_reason is FinishReason.CANCELLED and a.result().token_ids == []
+    assert b.result().token_ids == solo([4, 4], 6) and sched.pool.num_free == 64
+
+
+def test_a_wide_plan_takes_the_launches_that_feed_prompts() -> None:
+    """Two slots, a 12-row wide plan on the same cache: launches that feed a long prompt run
+    there, decoding-only launches on the slots' plan; every request keeps its solo tokens."""
+    pool = PagePool(64, PAGE)
+    narrow, wide = FakeExecutor(2, 4, 64), FakeExecutor(12, 4, 64)
+    wide.cache = narrow.cache  # one KV cache, as the engine binds it
+    built = []
+
+    def make_wide() -> tuple[FakeExecutor, int]:
+        built.append(1)
+        return wide, 12
+
+    sched = Scheduler(narrow, pool, 2, MAX_PAGES, 4, wide=make_wide)
+    a = sched.submit(RequestHandle([1, 2, 3], SamplingParams(max_tokens=30)))
+    sched.step()
+    assert not built and narrow.launches == [4]  # nothing to feed: the slots' plan
+    long = [(11 * i + 4) % VOCAB for i in range(45)]
+    c = sched.submit(RequestHandle(long, SamplingParams(max_tokens=6)))
+    drain(sched)
+    assert built == [1] and wide.launches and max(wide.widths) > 2
+    assert a.result().token_ids == solo([1, 2, 3], 30)
+    assert c.result().token_ids == solo(long, 6)
+    assert len(narrow.launches) > 1 and pool.num_free == 64
