@@ -92,6 +92,10 @@ def test_bad_engine_options() -> None:
         Engine(cfg, weights, backend="tpu")
     with pytest.raises(MpkError, match="steps_per_launch must be a positive integer"):
         Engine(cfg, weights, steps_per_launch=0)
+    with pytest.raises(MpkError, match="prefill_rows must be a positive integer"):
+        Engine(cfg, weights, prefill_rows=0)
+    with pytest.raises(MpkError, match="prefill_rows must be at most 16"):
+        Engine(cfg, weights, prefill_rows=17)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")

@@ -118,7 +118,8 @@ class Engine:
         self.options = EngineConfig(backend=backend, num_sms=num_sms,
                                     page_size=page_size, max_seq_len=max_seq_len,
                                     steps_per_launch=steps_per_launch,
-                                    prefill_rows=prefill_rows or MAX_BATCH)
+                                    prefill_rows=MAX_BATCH if prefill_rows is None
+                                    else prefill_rows)
         if max_seq_len > cfg.max_position:
             raise MpkError(f"max_seq_len {max_seq_len} exceeds the model's max_position "
                            f"{cfg.max_position}")

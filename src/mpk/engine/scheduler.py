@@ -10,12 +10,12 @@ positions per step, so a long prompt is fed up to B tokens a step beside the dec
 run is cut to what fills the launch's steps). When the spare rows cannot feed every prompt
 within the launch and the engine has a wider plan on the same KV cache and page pool (its
 prefill plan, EngineConfig.prefill_rows), the launch runs there instead, with the same layout
-rules over its rows. A row alone is forced to its prompt token while
-inside the prompt and embeds its own previous token after it; a request's first row in a launch
-is forced to its last token, so a request may change rows between launches. A request's j-th
-token comes from the step at its position len(prompt) - 1 + j. An unused row runs on a page
-table of NO_PAGE entries: it writes no KV and its tokens are dropped. A request's tokens depend
-only on its own prompt (and seed), never on its rows or what runs beside it.
+rules over its rows. A row alone is forced to its prompt token while inside the prompt and
+embeds its own previous token after it; a request's first row in a launch is forced to its last
+token, so a request may change rows between launches. A request's j-th token comes from the
+step at its position len(prompt) - 1 + j. An unused row runs on a page table of NO_PAGE
+entries: it writes no KV and its tokens are dropped. A request's tokens depend only on its own
+prompt (and seed), never on its rows or what runs beside it.
 """
 
 from __future__ import annotations
