@@ -198,8 +198,13 @@ __device__ __forceinline__ void attend(const Ctx& c, const Layout& L, char* smem
     if (q >= R.flo) return fresh + (q - R.flo) * D;
     return cache + (((long long)page * c.PS + (q - pi * c.PS)) * c.KVH + hh) * D;
   };
-  // row_of's rows are this step's copies in shared memory or cache rows in global memory.
-  auto in_smem = [](const bf16* row) -> bool { return __isShared(row) != 0; };
+  // knew and vnew are one block of shared memory: a row inside it is this step's (compared as
+  // integers: the cache rows are global memory, far outside the block).
+  const uintptr_t fresh_base = reinterpret_cast<uintptr_t>(knew);
+  const uintptr_t fresh_bytes = 2u * c.B * D * 2u;
+  auto in_smem = [&](const bf16* row) -> bool {
+    return reinterpret_cast<uintptr_t>(row) - fresh_base < fresh_bytes;
+  };
   // 16 (8, 4) bytes of a row at element e: shared memory for this step's rows, else L2.
   auto ld16 = [&](const bf16* row, int e) -> uint4 {
     if (row == nullptr) return make_uint4(0u, 0u, 0u, 0u);
