@@ -79,3 +79,16 @@ def test_generate_feeds_a_long_prompt_on_the_prefill_plan(name: str) -> None:
                             again.token_ids)
     assert not bad, "; ".join(bad)
     assert again.timings["compile_s"] == 0.0
+
+
+def test_serving_builds_the_prefill_plan_at_start() -> None:
+    """A server pays for the prefill plan when it starts, not when the first long prompt
+    arrives while others decode; generate builds it only for a prompt that needs it."""
+    engine, _, _ = engine_for("tiny-llama")
+    engine.generate([[1, 2, 3]], max_new_tokens=2)  # short: fed on the batch-1 plan alone
+    assert engine._runners[1].wide is None
+    engine.start(max_batch=2)
+    try:
+        assert engine._runners[2].wide is not None
+    finally:
+        engine.stop()

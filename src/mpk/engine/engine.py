@@ -141,11 +141,16 @@ class Engine:
     # ---- serving: requests that come and go ----------------------------------------------
     def start(self, max_batch: int = 8, detokenize: Detokenize | None = None) -> None:
         """Serve submitted requests on a background thread, up to `max_batch` at once (one plan
-        of max_batch rows). `detokenize` (token ids -> text) enables stop strings."""
+        of max_batch rows, and the prefill plan when prefill_rows is larger: both built here, so
+        no request waits for a compile). `detokenize` (token ids -> text) enables stop
+        strings."""
         if self._serving is not None:
             raise MpkError("the engine is already serving")
         timings = {"compile_s": 0.0, "load_s": 0.0}
-        self._serving = ServingLoop(self._scheduler(max_batch, timings, detokenize))
+        sched = self._scheduler(max_batch, timings, detokenize)
+        if self.options.prefill_rows > max_batch:
+            self._wide(max_batch, timings)
+        self._serving = ServingLoop(sched)
 
     def submit(self, prompt: Sequence[int], params: SamplingParams | None = None) -> RequestHandle:
         """Queue one request (after start()); iterate the handle for its tokens."""
