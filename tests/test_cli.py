@@ -74,12 +74,16 @@ def test_generate_feeds_a_long_prompt_on_the_prefill_plan(capsys: pytest.Capture
     base = ("generate", "--model", "tiny-llama", "--backend", "cpu", "--prompt-ids", ids,
             "--max-new-tokens", "4", "--json")
     code, out, _ = run(capsys, *base)
-    fast = json.loads(out)
-    code_slow, out, _ = run(capsys, *base, "--prefill-rows", "1")
+    chunked = json.loads(out)
+    code_rows, out, _ = run(capsys, *base, "--prefill-chunk", "0")
+    rows = json.loads(out)
+    code_slow, out, _ = run(capsys, *base, "--prefill-chunk", "0", "--prefill-rows", "1")
     slow = json.loads(out)
-    assert code == code_slow == 0 and fast["token_ids"] == slow["token_ids"]
+    assert code == code_rows == code_slow == 0
+    assert chunked["token_ids"] == rows["token_ids"] == slow["token_ids"]
     assert slow["timings"]["steps"] == 40 + 3  # one position a step
-    assert fast["timings"]["steps"] == 3 + 3  # 16 positions a step, then 3 decode steps
+    assert rows["timings"]["steps"] == 3 + 3  # 16 positions a step, then 3 decode steps
+    assert chunked["timings"]["steps"] == 1 + 3  # one prefill-plan launch of 40 positions
     code, _, err = run(capsys, "generate", "--model", "tiny-llama", "--backend", "cpu",
                        "--prefill-rows", "17")
     assert code == 2 and "prefill_rows must be at most 16" in err

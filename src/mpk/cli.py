@@ -187,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(chunked prefill), 1-16 (default: 16, the most a plan has; a second "
                         "plan on the batch's KV cache, built for prompts longer than a launch); "
                         "1: one position a step")
+    g.add_argument("--prefill-chunk", type=int, default=256, metavar="C",
+                   help="prompt positions per launch of the prefill plan, on backends that run "
+                        "one (today the CPU interpreter; default: 256); 0: none, prompts go in "
+                        "as runs of --prefill-rows")
     g.add_argument("--tp", type=_positive, default=1, metavar="G",
                    help="tensor-parallel ranks, one process (and one GPU) each (default: 1); "
                         "the CUDA all-reduce has not run on GPUs yet")
@@ -386,7 +390,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     job = GenerateJob(ModelSource(cfg, checkpoint, args.weights_seed), prompts,
                       args.max_new_tokens, () if args.ignore_eos else cfg.eos_token_ids, backend,
                       args.num_sms, args.max_seq_len or need, args.steps_per_launch,
-                      prefill_rows=args.prefill_rows, progress=False if args.json else None,
+                      prefill_rows=args.prefill_rows, prefill_chunk=args.prefill_chunk,
+                      progress=False if args.json else None,
                       sampling=sampling, tokenizer=tokenizer if args.stop else None)
     result = run_job(job, args.tp)
     texts = result.texts

@@ -40,7 +40,8 @@ def test_mpk_prefill_timing_on_the_interpreter() -> None:
     cfg = get_preset("tiny-qwen3")
     for prefill_rows, want in ((8, 5), (16, 3)):  # 40 positions on the 8 slots / 16 rows
         engine = Engine(cfg, random_weights(cfg, 3), backend="cpu", num_sms=4, max_seq_len=64,
-                        steps_per_launch=4, progress=False, prefill_rows=prefill_rows)
+                        steps_per_launch=4, progress=False, prefill_rows=prefill_rows,
+                        prefill_chunk=0)  # the rows path, as on the GPU
         ms, token, steps = time_mpk_prefill(engine, list(range(1, 41)), max_batch=8, repeats=2)
         assert ms > 0 and 0 <= token < cfg.vocab_size
         assert steps == want

@@ -25,14 +25,17 @@ def model(request: pytest.FixtureRequest) -> tuple:
 
 
 @pytest.mark.parametrize("steps_per_launch", [4, 16])
-@pytest.mark.parametrize("prefill_rows", [1, 16])
+@pytest.mark.parametrize(("prefill_rows", "prefill_chunk"), [(1, 0), (16, 0), (16, 256)])
 def test_batch_of_different_lengths_matches_reference(model: tuple, steps_per_launch: int,
-                                                      prefill_rows: int) -> None:
-    """One position per step (prefill_rows 1), or long prompts fed as runs on the 16-row
-    prefill plan, which shares the batch's KV cache: the same greedy tokens either way."""
+                                                      prefill_rows: int,
+                                                      prefill_chunk: int) -> None:
+    """One position per step (prefill_rows 1, no prefill plan), long prompts fed as runs on
+    the 16-row plan, or through the prefill plan (both share the batch's KV cache): the same
+    greedy tokens every way."""
     cfg, weights, _, ref = model
     engine = Engine(cfg, weights, backend="cpu", max_seq_len=MAX_SEQ,
-                    steps_per_launch=steps_per_launch, prefill_rows=prefill_rows)
+                    steps_per_launch=steps_per_launch, prefill_rows=prefill_rows,
+                    prefill_chunk=prefill_chunk)
     result = engine.generate(PROMPTS, NEW)
     assert not greedy_mismatches(ref, PROMPTS, result.token_ids)
     steps = max(len(p) for p in PROMPTS) + NEW - 1
@@ -96,6 +99,8 @@ def test_bad_engine_options() -> None:
         Engine(cfg, weights, prefill_rows=0)
     with pytest.raises(MpkError, match="prefill_rows must be at most 16"):
         Engine(cfg, weights, prefill_rows=17)
+    with pytest.raises(MpkError, match="prefill_chunk must be an integer >= 0"):
+        Engine(cfg, weights, prefill_chunk=-1)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")

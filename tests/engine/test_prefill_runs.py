@@ -21,8 +21,11 @@ def engine_for(name: str, steps: int = 4, prefill_rows: int = 16
                ) -> tuple[Engine, object, dict]:
     cfg = get_preset(name)
     weights = random_weights(cfg, seed=SEED)
+    # No prefill plan: these tests are about runs of the decode batch (test_prefill_plan.py
+    # covers the prefill plan).
     return Engine(cfg, weights, backend="cpu", num_sms=4, max_seq_len=96,
-                  steps_per_launch=steps, progress=False, prefill_rows=prefill_rows), cfg, weights
+                  steps_per_launch=steps, progress=False, prefill_rows=prefill_rows,
+                  prefill_chunk=0), cfg, weights
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama", "tiny-qwen3-moe"])

@@ -29,3 +29,5 @@ def test_the_api_key_comes_from_the_flag_or_the_environment(
 def test_prefill_rows_reach_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _options(monkeypatch, None).prefill_rows is None  # the engine's default
     assert _options(monkeypatch, None, "--prefill-rows", "1").prefill_rows == 1
+    assert _options(monkeypatch, None).prefill_chunk == 256
+    assert _options(monkeypatch, None, "--prefill-chunk", "0").prefill_chunk == 0

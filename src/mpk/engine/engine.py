@@ -33,6 +33,7 @@ from mpk.errors import MpkError
 from mpk.graph.graph import DEFAULT_NUM_SMS
 from mpk.models.builder import DecodeShape, build_graph, graph_weights
 from mpk.models.config import ModelConfig
+from mpk.models.prefill import PrefillShape, build_prefill_graph, supports_prefill
 from mpk.parallel.tp import TensorParallel
 from mpk.tasks.linear.task import MAX_BATCH
 
@@ -53,6 +54,9 @@ class EngineConfig:
     # Rows of the plan that feeds long prompts (chunked prefill) when the batch's own plan has
     # fewer: compiled on first use, on the same KV cache (1: never).
     prefill_rows: int = MAX_BATCH
+    # Prompt positions per launch of the prefill plan (models/prefill.py), where the backend
+    # runs one; longer prompts take several (0: no prefill plan, prompts go in as runs).
+    prefill_chunk: int = 256
 
     def __post_init__(self) -> None:
         get_backend(self.backend)
@@ -60,6 +64,9 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise MpkError(f"engine option {name} must be a positive integer, got {value!r}")
+        chunk = self.prefill_chunk
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise MpkError(f"engine option prefill_chunk must be an integer >= 0, got {chunk!r}")
         if self.prefill_rows > MAX_BATCH:
             raise MpkError(f"engine option prefill_rows must be at most {MAX_BATCH} (the rows "
                            f"a plan can have), got {self.prefill_rows}")
@@ -79,13 +86,15 @@ class EngineConfig:
 
 @dataclass
 class _Runner:
-    """Everything compiled and allocated for one batch size; `wide`, once a long prompt asked
-    for it: the prefill plan's executor on the same KV cache."""
+    """Everything compiled and allocated for one batch size; once a long prompt asked for them,
+    on the same KV cache: `wide`, the prefill_rows plan's executor, `chunk`, the prefill
+    plan's."""
 
     plan: Plan
     executor: Executor
     cache: KvCache
     wide: Executor | None = None
+    chunk: Executor | None = None
 
 
 class Engine:
@@ -106,7 +115,8 @@ class Engine:
                  backend: str = "cpu", num_sms: int | None = None, page_size: int = 16,
                  max_seq_len: int | None = None, steps_per_launch: int = 16,
                  device: str | torch.device | None = None, progress: bool | None = None,
-                 tp: TensorParallel | None = None, prefill_rows: int | None = None) -> None:
+                 tp: TensorParallel | None = None, prefill_rows: int | None = None,
+                 prefill_chunk: int = 256) -> None:
         if tp is not None and tp.size > 1:
             tp.check(cfg)
         self.tp = tp if tp is not None and tp.size > 1 else None
@@ -119,7 +129,7 @@ class Engine:
                                     page_size=page_size, max_seq_len=max_seq_len,
                                     steps_per_launch=steps_per_launch,
                                     prefill_rows=MAX_BATCH if prefill_rows is None
-                                    else prefill_rows)
+                                    else prefill_rows, prefill_chunk=prefill_chunk)
         if max_seq_len > cfg.max_position:
             raise MpkError(f"max_seq_len {max_seq_len} exceeds the model's max_position "
                            f"{cfg.max_position}")
@@ -148,7 +158,9 @@ class Engine:
             raise MpkError("the engine is already serving")
         timings = {"compile_s": 0.0, "load_s": 0.0}
         sched = self._scheduler(max_batch, timings, detokenize)
-        if self.options.prefill_rows > max_batch:
+        if self._chunked:
+            self._chunk(max_batch, timings)
+        elif self.options.prefill_rows > max_batch:
             self._wide(max_batch, timings)
         self._serving = ServingLoop(sched)
 
@@ -237,12 +249,40 @@ class Engine:
     def _scheduler(self, batch: int, timings: dict[str, float],
                    detokenize: Detokenize | None) -> Scheduler:
         runner = self._runner(batch, timings)
-        wide = None
-        if self.options.prefill_rows > batch:
+        wide = chunk = None
+        if self._chunked:  # prompts go through the prefill plan, C positions a launch
+            def chunk() -> tuple[Executor, int]:
+                return self._chunk(batch, timings), self.options.prefill_chunk
+        elif self.options.prefill_rows > batch:
             def wide() -> tuple[Executor, int]:
                 return self._wide(batch, timings), self.options.prefill_rows
         return Scheduler(runner.executor, runner.cache.pool, batch, self.options.max_pages,
-                         self.options.steps_per_launch, detokenize=detokenize, wide=wide)
+                         self.options.steps_per_launch, detokenize=detokenize, wide=wide,
+                         chunk=chunk)
+
+    @property
+    def _chunked(self) -> bool:
+        """Whether prompts are fed by the prefill plan (a backend that runs one, one GPU)."""
+        return (self.options.prefill_chunk > 0 and self.tp is None
+                and supports_prefill(self.cfg, self.options.backend))
+
+    def _chunk(self, batch: int, timings: dict[str, float]) -> Executor:
+        """The prefill plan of the batch-`batch` runner, on its KV cache."""
+        runner = self._runners[batch]
+        if runner.chunk is None:
+            opts = self.options
+            shape = PrefillShape(chunk=opts.prefill_chunk, page_size=opts.page_size,
+                                 max_pages=opts.max_pages, num_pages=batch * opts.max_pages)
+            with self._status(f"compiling {self.cfg.name or self.cfg.arch}'s prefill plan"):
+                start = time.perf_counter()
+                plan = compile_cached(build_prefill_graph(self.cfg, shape, opts.num_sms),
+                                      num_sms=opts.num_sms)
+                timings["compile_s"] += time.perf_counter() - start
+            start = time.perf_counter()
+            runner.chunk = self._executor(plan)
+            _bind_all(plan, runner.chunk, self._weights, runner.cache, self.device)
+            timings["load_s"] += time.perf_counter() - start
+        return runner.chunk
 
     def _runner(self, batch: int, timings: dict[str, float]) -> _Runner:
         if batch in self._runners:

@@ -50,7 +50,8 @@ class GenerateJob:
     num_sms: int | None = None
     max_seq_len: int | None = None
     steps_per_launch: int = 16
-    prefill_rows: int | None = None  # the engine's prefill plan (None: its default)
+    prefill_rows: int | None = None  # the engine's prefill_rows plan (None: its default)
+    prefill_chunk: int = 256  # positions per prefill-plan launch (0: none)
     progress: bool | None = None
     # Greedy by default; max_tokens and stop ids come from the fields above.
     sampling: SamplingParams = SamplingParams()
@@ -76,7 +77,8 @@ def _run_engine(job: GenerateJob, tp: TensorParallel | None,
     weights = job.source.load(get_backend(job.backend).device_type)
     engine = Engine(job.source.cfg, weights, backend=job.backend, num_sms=job.num_sms,
                     max_seq_len=job.max_seq_len, steps_per_launch=job.steps_per_launch,
-                    prefill_rows=job.prefill_rows, progress=progress, tp=tp)
+                    prefill_rows=job.prefill_rows, prefill_chunk=job.prefill_chunk,
+                    progress=progress, tp=tp)
     detokenize = job.tokenizer.decode if job.tokenizer is not None else None
     return engine.generate(job.prompts, job.max_new_tokens, eos_token_ids=job.eos_token_ids,
                            sampling=job.sampling, detokenize=detokenize)

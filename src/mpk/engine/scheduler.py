@@ -44,6 +44,9 @@ Detokenize = Callable[[list[int]], str]
 # A plan of more rows than the slots that shares their KV cache and page pool, built on first
 # use: (its executor, its rows).
 WidePlan = Callable[[], tuple[Executor, int]]
+# A prefill plan (models/prefill.py) on the same KV cache, built on first use: (its executor, its
+# chunk of C prompt positions per launch).
+ChunkPlan = Callable[[], tuple[Executor, int]]
 
 
 @dataclass
@@ -93,15 +96,21 @@ class Scheduler:
     def __init__(self, executor: Executor, pool: PagePool, slots: int, max_pages: int,
                  steps_per_launch: int, eos_token_ids: Iterable[int] = (),
                  detokenize: Detokenize | None = None, sampling: bool = True,
-                 runs: bool = True, wide: WidePlan | None = None) -> None:
+                 runs: bool = True, wide: WidePlan | None = None,
+                 chunk: ChunkPlan | None = None) -> None:
         """`sampling`, `runs`: the plan has the SAMPLING / RUNS input (every model plan does;
         test doubles of an executor may not). Without RUNS every request holds one row.
         `wide`: a plan of more rows on the same KV cache; a launch in which some prompt would
-        not be fed within its steps runs there, its extra rows feeding prompts."""
+        not be fed within its steps runs there, its extra rows feeding prompts. `chunk`: a
+        prefill plan on the same KV cache; such a prompt is then fed C positions a launch
+        there, alternating with the launches of the other requests."""
         self.executor, self.pool = executor, pool
         self.sampling, self.runs = sampling, runs
         self._wide_plan = wide if runs else None
         self._wide: tuple[Executor, int] | None = None
+        self._chunk_plan = chunk
+        self._chunk: tuple[Executor, int] | None = None
+        self._last_was_chunk = False
         self.slots, self.max_pages, self.steps_per_launch = slots, max_pages, steps_per_launch
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.detokenize = detokenize
@@ -141,6 +150,10 @@ class Scheduler:
         if not self.running:
             return 0
         n = min(self.steps_per_launch, max(r.steps_left for r in self.running))
+        chunked = self._chunk_candidate(n)
+        self._last_was_chunk = chunked is not None
+        if chunked is not None:
+            return self._chunk_launch(chunked)
         executor, rows = self._plan_for(n)
         layout = self._layout(n, rows)
         # A run stops being useful once its prompt is fed: no longer launch than the rows need.
@@ -211,6 +224,47 @@ class Scheduler:
                 stop_ids = frozenset(params.stop_token_ids) | self.eos
                 self.running.append(_Running(handle, pages, stop_ids=stop_ids,
                                              sampling_words=sampling_words(params)))
+
+    def _chunk_candidate(self, n: int) -> _Running | None:
+        """The oldest request whose prompt would not be fed within n steps, when there is a
+        prefill plan and it is the prefill's turn (after a chunk, the others get a launch)."""
+        if self._chunk_plan is None:
+            return None
+        needy = [r for r in self.running if r.prompt_left > n]
+        if not needy or (self._last_was_chunk and len(needy) < len(self.running)):
+            return None
+        return needy[0]
+
+    def _chunk_launch(self, run: _Running) -> int:
+        """Feed up to C of `run`'s prompt positions in one launch of the prefill plan."""
+        if self._chunk is None:
+            self._chunk = self._chunk_plan()
+        executor, c = self._chunk
+        m = min(c, run.prompt_left)
+        prompt = torch.zeros((1, c), dtype=torch.int32)
+        prompt[0, :m] = torch.tensor(run.handle.prompt[run.pos: run.pos + m], dtype=torch.int32)
+        table = torch.full((1, self.max_pages), io.NO_PAGE, dtype=torch.int32)
+        table[0, : len(run.pages)] = torch.tensor(run.pages, dtype=torch.int32)
+        executor.write(io.PROMPT, prompt)
+        executor.write(io.POSITIONS, torch.tensor([run.pos], dtype=torch.int32))
+        executor.write(io.CHUNK, torch.tensor([m], dtype=torch.int32))
+        executor.write(io.HEAD_POSITION, torch.tensor([run.pos + m - 1], dtype=torch.int32))
+        executor.write(io.PAGE_TABLE, table)
+        executor.write(io.SAMPLING, torch.tensor([run.sampling_words], dtype=torch.int32))
+        start = time.perf_counter()
+        executor.run(1)
+        produced = executor.read(io.TOKENS_OUT)
+        end = time.perf_counter()
+        self.stats.steps += 1
+        self.stats.launches += 1
+        self.stats.seconds += end - start
+        self.stats.launch_times.append((start, end, 1))
+        if m == run.prompt_left:  # the chunk ends the prompt: its token is the first output
+            self._deliver(run, int(produced[0, 0]), end)
+        run.pos += m
+        if run.finished is not None:
+            self._release(run, run.finished)
+        return 1
 
     def _plan_for(self, n: int) -> tuple[Executor, int]:
         """The executor of this launch and its rows: the wide plan when a prompt would not be

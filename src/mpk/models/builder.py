@@ -118,29 +118,33 @@ def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = DEFAULT_NUM
 
 
 def _lm_head(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int) -> None:
-    """Final norm (fused into lm_head's prologue by the compiler), lm_head with the argmax of
-    each task's slice in its epilogue (or, for rows that sample, of logits / T + Gumbel noise),
-    and the reduction to one token per row (which, for rows with top-k / top-p, selects from
-    the logits)."""
-    b, h = shape.batch, cfg.hidden_size
+    lm_head(g, cfg, shape.batch, num_sms, "hidden", io.POSITIONS, io.RUNS)
+
+
+def lm_head(g: Graph, cfg: ModelConfig, batch: int, num_sms: int, hidden: str,
+            positions: str, runs: str | None) -> None:
+    """Final norm of `hidden` [batch, H] (fused into lm_head's prologue by the compiler), lm_head
+    with the argmax of each task's slice in its epilogue (or, for rows that sample, of logits / T
+    + Gumbel noise at the row's position), and the reduction to one token per row into TOKENS /
+    TOKENS_OUT (which, for rows with top-k / top-p, selects from the logits)."""
+    b, h = batch, cfg.hidden_size
     g.add_tensor("final_norm", (h,), BF16, Role.WEIGHT)
     g.add_tensor("lm_head", (cfg.vocab_size, h), BF16, Role.WEIGHT)
     g.add_tensor("final_hidden", (b, h), BF16, Role.ACTIVATION)
     g.add_tensor("logits", (b, cfg.vocab_size), F32, Role.ACTIVATION)
-    g.add_op("rmsnorm", "final_norm", (1,), {"x": "hidden", "weight": "final_norm",
+    g.add_op("rmsnorm", "final_norm", (1,), {"x": hidden, "weight": "final_norm",
                                              "out": "final_hidden"}, eps=cfg.rms_eps)
     tiles = spread(cfg.vocab_size, num_sms, h, b)
     g.add_tensor("argmax_val", (b, tiles), F32, Role.ACTIVATION)
     g.add_tensor("argmax_idx", (b, tiles), I32, Role.ACTIVATION)
+    where = {"sampling": io.SAMPLING, "positions": positions, **({"runs": runs} if runs else {})}
     g.add_op("linear", "lm_head", (tiles,), {"x": "final_hidden", "weight": "lm_head",
                                              "out": "logits", "part_val": "argmax_val",
-                                             "part_idx": "argmax_idx", "sampling": io.SAMPLING,
-                                             "positions": io.POSITIONS, "runs": io.RUNS},
+                                             "part_idx": "argmax_idx", **where},
              epilogue="argmax")
     g.add_op("argmax_reduce", "sample", (b,), {"part_val": "argmax_val", "part_idx": "argmax_idx",
                                                "tokens": io.TOKENS, "tokens_out": io.TOKENS_OUT,
-                                               "logits": "logits", "sampling": io.SAMPLING,
-                                               "positions": io.POSITIONS, "runs": io.RUNS})
+                                               "logits": "logits", **where})
 
 
 def _attention_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int,

@@ -1,4 +1,6 @@
-"""The decode step's IO contract: the graph tensors the host writes and reads around a launch.
+"""The decode step's IO contract: the graph tensors the host writes and reads around a launch
+(and a prefill chunk's, models/prefill.py: PROMPT [1, C], POSITIONS [1], PAGE_TABLE [1, max_pages],
+CHUNK, HEAD_POSITION, SAMPLING [1, 5], TOKENS_OUT [1, 1]).
 
 One module owns these names and shapes; the builder creates the tensors, the engine, bench,
 profile and check drive them.
@@ -12,6 +14,8 @@ profile and check drive them.
 | TOKENS | [B] i32 (activation) | the last token produced: what the next step embeds unless forced |
 | SAMPLING | [B, 5] i32 | per row: temperature (float bits; 0 = greedy), seed low, seed high, top_k, top_p (tasks/sampling.py owns the layout) |
 | RUNS | [B, 2] i32 | per row: (index in its run, run width): a run of w rows holds w consecutive positions of one sequence per step (chunked prefill), each row moving w positions a step; (0, 1) or zeros = a row alone (tasks/runs.py owns the layout) |
+| CHUNK | [1] i32 | prefill plans (models/prefill.py): how many of the chunk's C rows are prompt positions |
+| HEAD_POSITION | [1] i32 | prefill plans: the position of the chunk's last prompt row (where its token is drawn) |
 | k_cache.{l}, v_cache.{l} | [num_pages, page_size, kv_heads, head_dim] bf16 | paged KV cache of layer l |
 """
 
@@ -30,7 +34,9 @@ RUNS = "runs"
 RUN_WORDS = runs.WORDS
 NO_FORCE = -1  # a PROMPT entry that lets the row embed its own previous token
 NO_PAGE = -1  # a PAGE_TABLE entry that holds no page: the kernels neither read nor write it
-INPUTS = (PROMPT, POSITIONS, PAGE_TABLE, RUNS)
+CHUNK = "chunk"
+HEAD_POSITION = "head_position"
+INPUTS = (PROMPT, POSITIONS, PAGE_TABLE, RUNS, CHUNK, HEAD_POSITION)
 
 
 def k_cache(layer: int) -> str:

@@ -32,6 +32,7 @@ class ServeOptions:
     max_seq_len: int | None = None  # None: the engine's default (2048 or the model's limit)
     steps_per_launch: int = DEFAULT_STEPS_PER_LAUNCH
     prefill_rows: int | None = None  # None: the engine's default (the most rows a plan has)
+    prefill_chunk: int = 256  # prompt positions per prefill-plan launch (0: none)
     num_sms: int | None = None
     api_key: str | None = None
     served_model_name: str | None = None
@@ -73,6 +74,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "(chunked prefill), 1-16 (default: 16, the most a plan has); with "
                         "more rows than --max-batch it is a second plan on the same KV cache, "
                         "built when a long prompt first arrives; 1: one position a step")
+    p.add_argument("--prefill-chunk", type=int, default=256, metavar="C",
+                   help="prompt positions per launch of the prefill plan, on backends that run "
+                        "one (today the CPU interpreter; default: 256); 0: none")
     p.add_argument("--num-sms", type=positive, default=None, metavar="N",
                    help="SMs (persistent CTAs) to compile for (default: every SM of the GPU, "
                         "or 4 on the CPU interpreter)")
@@ -92,7 +96,8 @@ def options_from_args(args: argparse.Namespace, backend: str) -> ServeOptions:
                         checkpoint=args.checkpoint, backend=backend, host=args.host,
                         port=args.port, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                         steps_per_launch=args.steps_per_launch,
-                        prefill_rows=args.prefill_rows, num_sms=args.num_sms,
+                        prefill_rows=args.prefill_rows, prefill_chunk=args.prefill_chunk,
+                        num_sms=args.num_sms,
                         api_key=args.api_key or env.api_key(),
                         served_model_name=args.served_model_name,
                         weights_seed=args.weights_seed)

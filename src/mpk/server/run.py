@@ -63,7 +63,8 @@ def build_state(opts: ServeOptions) -> ServerState:
     weights = ModelSource(cfg, resolved.checkpoint, opts.weights_seed).load(device)
     engine = Engine(cfg, weights, backend=opts.backend, num_sms=opts.num_sms,
                     max_seq_len=opts.max_seq_len, steps_per_launch=opts.steps_per_launch,
-                    prefill_rows=opts.prefill_rows, progress=False)
+                    prefill_rows=opts.prefill_rows, prefill_chunk=opts.prefill_chunk,
+                    progress=False)
     name = opts.served_model_name or resolved.label
     codec = TextCodec(resolved.tokenizer, resolved.chat_template, name)
     log.info("compiling the decode plan for batch %d", opts.max_batch)

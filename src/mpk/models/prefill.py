@@ -1,0 +1,124 @@
+"""The prefill graph: one launch runs a chunk of up to C prompt positions of ONE sequence
+through the model at once (the decode graph feeds at most one position per batch row a step).
+
+Rows are positions p0 .. p0+C-1 (p0 = POSITIONS[0]; CHUNK[0] = n of them are prompt, the rest
+padding). Each layer: the qkv projection (a `gemm` with the input norm as its prologue),
+`attention_prefill` (causal over the chunk plus the sequence's cached positions, appending the
+chunk's keys and values to its pages), o_proj + residual, gate_up (post norm prologue, silu*mul
+epilogue), down + residual; then the last prompt row (`take_row`) goes through the final norm,
+lm_head and the sampler, drawing at HEAD_POSITION: the request's first token when the chunk ends
+its prompt. The weights and KV-cache tensors are the decode graph's (the same names), so the
+engine binds one KV cache to both plans.
+
+Dense models, one GPU only (a MoE or tensor-parallel engine feeds prompts as runs of its decode
+batch). The CUDA kernels of gemm, attention_prefill and take_row are not written yet, so only the
+CPU interpreter runs prefill plans; `supports_prefill` says whether a backend can.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpk.dtypes import DType
+from mpk.errors import UnsupportedError
+from mpk.graph.graph import Graph
+from mpk.models import decode_io as io
+from mpk.models.builder import choose_split, lm_head
+from mpk.models.config import ModelConfig
+from mpk.tensors import Role
+
+BF16, F32, I32 = DType.BF16, DType.F32, DType.I32
+QUERY_BLOCK = 64  # prompt rows per attention_prefill task (when it divides the chunk)
+PREFILL_KINDS = ("gemm", "attention_prefill", "take_row")
+
+
+@dataclass(frozen=True)
+class PrefillShape:
+    chunk: int  # C: prompt positions per launch
+    page_size: int = 16
+    max_pages: int = 64
+    num_pages: int = 64
+
+    def __post_init__(self) -> None:
+        if min(self.chunk, self.page_size, self.max_pages, self.num_pages) <= 0:
+            raise UnsupportedError(f"invalid prefill shape {self}")
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.max_pages * self.page_size
+
+
+def supports_prefill(cfg: ModelConfig, backend: str) -> bool:
+    """Whether `backend` runs prefill plans of `cfg` (dense models; kinds with kernels)."""
+    if cfg.is_moe:
+        return False
+    if backend == "cpu":
+        return True
+    from mpk.backends.cuda.codegen import missing_kernels
+
+    return not missing_kernels(PREFILL_KINDS)
+
+
+def build_prefill_graph(cfg: ModelConfig, shape: PrefillShape, num_sms: int) -> Graph:
+    if cfg.is_moe:
+        raise UnsupportedError("prefill plans cover dense models; MoE prompts run as decode runs")
+    g = Graph()
+    c, h = shape.chunk, cfg.hidden_size
+    for name, dims in ((io.PROMPT, (1, c)), (io.POSITIONS, (1,)), (io.CHUNK, (1,)),
+                       (io.HEAD_POSITION, (1,)), (io.PAGE_TABLE, (1, shape.max_pages)),
+                       (io.TOKENS_OUT, (1, 1)), (io.SAMPLING, (1, io.SAMPLING_WORDS))):
+        g.add_tensor(name, dims, I32, Role.IO)
+    g.add_tensor(io.TOKENS, (1,), I32, Role.ACTIVATION)
+    g.add_tensor("row_tokens", (c,), I32, Role.ACTIVATION)  # unread: every row is forced
+    g.add_tensor("embed", (cfg.vocab_size, h), BF16, Role.WEIGHT)
+    g.add_tensor("rope", (shape.max_seq_len, cfg.head_dim), F32, Role.WEIGHT)
+    g.add_tensor("hidden", (c, h), BF16, Role.ACTIVATION)
+    g.add_op("embedding", "embed", (choose_split(h, max(1, h // 256), 64),),
+             {"tokens": "row_tokens", "prompt": io.PROMPT, "table": "embed", "out": "hidden"})
+    for layer in range(cfg.num_layers):
+        _layer(g, cfg, shape, num_sms, layer)
+    g.add_tensor("last_hidden", (1, h), BF16, Role.ACTIVATION)
+    g.add_op("take_row", "last_row", (1,), {"x": "hidden", "chunk": io.CHUNK,
+                                            "out": "last_hidden"})
+    lm_head(g, cfg, 1, num_sms, "last_hidden", io.HEAD_POSITION, None)
+    return g
+
+
+def _tasks(outputs: int, num_sms: int, align: int = 8) -> int:
+    return max(1, min(num_sms, outputs // align))
+
+
+def _layer(g: Graph, cfg: ModelConfig, shape: PrefillShape, num_sms: int, layer: int) -> None:
+    p = f"layers.{layer}."
+    c, h, d, kvh, group = (shape.chunk, cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads,
+                           cfg.group)
+    width, inter = kvh * (group + 2) * d, cfg.intermediate_size
+    weights = {"input_norm": (h,), "qkv_weight": (width, h), "o_weight": (h, kvh * group * d),
+               "post_norm": (h,), "gate_up_weight": (2, inter, h), "down_weight": (h, inter)}
+    if cfg.qk_norm:
+        weights.update(q_norm=(d,), k_norm=(d,))
+    for name, dims in weights.items():
+        g.add_tensor(p + name, dims, BF16, Role.WEIGHT)
+    cache = (shape.num_pages, shape.page_size, kvh, d)
+    g.add_tensor(io.k_cache(layer), cache, BF16, Role.IO)
+    g.add_tensor(io.v_cache(layer), cache, BF16, Role.IO)
+    for name, cols in (("qkv", width), ("attn", kvh * group * d), ("act", inter)):
+        g.add_tensor(p + name, (c, cols), BF16, Role.ACTIVATION)
+    eps = cfg.rms_eps
+    g.add_op("gemm", p + "qkv", (_tasks(width, num_sms),),
+             {"x": "hidden", "norm_weight": p + "input_norm", "weight": p + "qkv_weight",
+              "out": p + "qkv"}, prologue="rmsnorm", eps=eps)
+    attn = {"qkv": p + "qkv", "rope": "rope", "positions": io.POSITIONS, "chunk": io.CHUNK,
+            "page_table": io.PAGE_TABLE, "k_cache": io.k_cache(layer),
+            "v_cache": io.v_cache(layer), "out": p + "attn"}
+    if cfg.qk_norm:
+        attn.update(q_norm=p + "q_norm", k_norm=p + "k_norm")
+    blocks = c // QUERY_BLOCK if c % QUERY_BLOCK == 0 else 1
+    g.add_op("attention_prefill", p + "attention", (kvh, blocks), attn, eps=eps)
+    g.add_op("gemm", p + "o_proj", (_tasks(h, num_sms),),
+             {"x": p + "attn", "weight": p + "o_weight", "residual": "hidden", "out": "hidden"})
+    g.add_op("gemm", p + "gate_up", (_tasks(inter, num_sms, 4),),
+             {"x": "hidden", "norm_weight": p + "post_norm", "weight": p + "gate_up_weight",
+              "out": p + "act"}, prologue="rmsnorm", epilogue="silu_mul", eps=eps)
+    g.add_op("gemm", p + "down", (_tasks(h, num_sms),),
+             {"x": p + "act", "weight": p + "down_weight", "residual": "hidden", "out": "hidden"})

@@ -1,0 +1,126 @@
+"""The prefill plan (models/prefill.py) on the CPU interpreter: a chunk of prompt positions per
+launch through gemm / attention_prefill / take_row. Its results do not depend on the order the
+tasks run in (so its dependencies are complete); prompts of every length around the chunk size,
+several chunks, beside decoding requests, give the reference model's greedy tokens; seeded
+sampling draws what the one-position-a-step path draws."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpk.backends.registry import create_executor
+from mpk.compiler.lower import compile_graph
+from mpk.engine import Engine, SamplingParams
+from mpk.models import decode_io as io
+from mpk.models.builder import graph_weights
+from mpk.models.config import get_preset
+from mpk.models.prefill import PrefillShape, build_prefill_graph, supports_prefill
+from mpk.models.reference import ReferenceModel
+from mpk.models.weights import random_weights
+from mpk.testing import greedy_mismatches
+
+SEED = 77
+CHUNK = 32
+
+
+def prompt_of(n: int, salt: int = 0) -> list[int]:
+    return [(13 * i + 7 * salt + 3) % 250 + 1 for i in range(n)]
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama"])
+def test_a_chunk_is_the_same_in_every_task_order(name: str) -> None:
+    """Two chunks of one prompt (the second attends to the first's cached keys): the caches
+    and the sampled token are bit-identical whether tasks run in schedule, random or free
+    (dependency-driven) order; a missing dependency would read poison or stale values."""
+    cfg = get_preset(name)
+    weights = random_weights(cfg, seed=SEED)
+    shape = PrefillShape(chunk=CHUNK, page_size=8, max_pages=12, num_pages=12)
+    plan = compile_graph(build_prefill_graph(cfg, shape, num_sms=4), num_sms=4)
+    prompt = prompt_of(50)
+    results = []
+    for order in ("schedule", "random", "free"):
+        ex = create_executor(plan, "cpu", poison=True, order=order, seed=SEED)
+        _bind(ex, plan, cfg, shape, weights)
+        for start, n in ((0, CHUNK), (CHUNK, len(prompt) - CHUNK)):
+            ids = torch.zeros(1, CHUNK, dtype=torch.int32)
+            ids[0, :n] = torch.tensor(prompt[start: start + n])
+            for key, value in ((io.PROMPT, ids), (io.POSITIONS, [start]), (io.CHUNK, [n]),
+                               (io.HEAD_POSITION, [start + n - 1])):
+                ex.write(key, torch.as_tensor(value, dtype=torch.int32))
+            ex.run(1)
+        results.append([ex.read(io.TOKENS_OUT)] +
+                       [ex.read(io.k_cache(l)) for l in range(cfg.num_layers)])
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+def _bind(ex, plan, cfg, shape: PrefillShape, weights: dict) -> None:
+    """The graph's weights, noise-filled caches and a shuffled page table (fixed seed)."""
+    gen = torch.Generator().manual_seed(SEED)
+    prepared = graph_weights(cfg, weights, shape.max_seq_len)
+    for t in plan.tensors:
+        if t.role == "weight":
+            ex.bind(t.name, prepared[t.name])
+        elif t.name.startswith(("k_cache", "v_cache")):
+            ex.bind(t.name, torch.randn(t.shape, generator=gen).bfloat16())
+        elif t.name == io.PAGE_TABLE:
+            ex.bind(t.name, torch.randperm(shape.num_pages, generator=gen).int()[None])
+        elif t.role == "io":
+            ex.bind(t.name, torch.zeros(t.shape, dtype=torch.int32))
+
+
+def engine_for(name: str, **opts) -> tuple[Engine, object, dict]:
+    cfg = get_preset(name)
+    weights = random_weights(cfg, seed=SEED)
+    engine = Engine(cfg, weights, backend="cpu", num_sms=4, max_seq_len=160,
+                    steps_per_launch=4, progress=False, **{"prefill_chunk": CHUNK, **opts})
+    return engine, cfg, weights
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama"])
+def test_prompts_around_the_chunk_size_match_the_reference(name: str) -> None:
+    engine, cfg, weights = engine_for(name)
+    prompts = [prompt_of(n, salt=n) for n in (5, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 7)]
+    result = engine.generate(prompts, max_new_tokens=6)
+    bad = greedy_mismatches(ReferenceModel(cfg, weights, max_seq=160), prompts,
+                            result.token_ids)
+    assert not bad, "; ".join(bad)
+    # the longest prompt: 4 chunks, each alternating with a launch of the other rows
+    assert result.timings["launches"] < 20
+
+
+def test_chunks_alternate_with_the_decoding_requests() -> None:
+    engine, cfg, weights = engine_for("tiny-qwen3")
+    engine.start(max_batch=3)
+    try:
+        short = engine.submit([5, 17, 2], SamplingParams(max_tokens=24))
+        next(iter(short))
+        long = engine.submit(prompt_of(120, 1), SamplingParams(max_tokens=5))
+        got = [short.result(timeout=300).token_ids, long.result(timeout=300).token_ids]
+        stats = engine.scheduler.stats
+        free = engine.scheduler.pool.num_free
+    finally:
+        engine.stop()
+    bad = greedy_mismatches(ReferenceModel(cfg, weights, max_seq=160),
+                            [[5, 17, 2], prompt_of(120, 1)], got)
+    assert not bad, "; ".join(bad)
+    assert stats.steps < 60  # 4 chunk launches instead of 120 steps
+    assert free == engine._runners[3].cache.pool.num_pages  # every page came back
+
+
+def test_seeded_sampling_matches_the_one_position_path() -> None:
+    params = SamplingParams(max_tokens=8, temperature=0.9, seed=99)
+    prompt = prompt_of(70, 2)
+    slow, _, _ = engine_for("tiny-qwen3", prefill_chunk=0, prefill_rows=1)
+    fast, _, _ = engine_for("tiny-qwen3")
+    a = slow.generate([prompt], max_new_tokens=8, sampling=params)
+    b = fast.generate([prompt], max_new_tokens=8, sampling=params)
+    assert a.token_ids == b.token_ids
+    assert a.timings["steps"] == 70 + 7 and b.timings["steps"] < 15
+
+
+def test_which_backends_and_models_take_prefill_plans() -> None:
+    assert supports_prefill(get_preset("tiny-llama"), "cpu")
+    assert not supports_prefill(get_preset("tiny-qwen3-moe"), "cpu")  # MoE: runs
+    assert not supports_prefill(get_preset("tiny-llama"), "cuda")  # no CUDA kernels yet
