@@ -249,16 +249,19 @@ class Engine:
     def _scheduler(self, batch: int, timings: dict[str, float],
                    detokenize: Detokenize | None) -> Scheduler:
         runner = self._runner(batch, timings)
-        wide = chunk = None
-        if self._chunked:  # prompts go through the prefill plan, C positions a launch
-            def chunk() -> tuple[Executor, int]:
-                return self._chunk(batch, timings), self.options.prefill_chunk
-        elif self.options.prefill_rows > batch:
-            def wide() -> tuple[Executor, int]:
-                return self._wide(batch, timings), self.options.prefill_rows
+
+        def chunk_plan() -> tuple[Executor, int]:
+            return self._chunk(batch, timings), self.options.prefill_chunk
+
+        def wide_plan() -> tuple[Executor, int]:
+            return self._wide(batch, timings), self.options.prefill_rows
+
+        # Prompts go through the prefill plan where the backend runs one, else as runs.
+        chunked, wider = self._chunked, self.options.prefill_rows > batch
         return Scheduler(runner.executor, runner.cache.pool, batch, self.options.max_pages,
-                         self.options.steps_per_launch, detokenize=detokenize, wide=wide,
-                         chunk=chunk)
+                         self.options.steps_per_launch, detokenize=detokenize,
+                         wide=wide_plan if wider and not chunked else None,
+                         chunk=chunk_plan if chunked else None)
 
     @property
     def _chunked(self) -> bool:

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from mpk.dtypes import DType
 from mpk.tasks.base import Access, OpView, OperandSpec, TaskCost, TaskKind, Tile, split_bounds
-from mpk.tasks.linear.task import linear_input
-from mpk.tasks.numerics import bf16, silu_mul
+from mpk.tasks.linear.task import project
 from mpk.tasks.registry import register
 
 PROLOGUES = ("none", "rmsnorm")
@@ -79,17 +78,7 @@ class Gemm(TaskKind):
         op.expect_unsplit("out", 0)
 
     def reference(self, tile: Tile) -> None:
-        x = linear_input(tile)
-        w = tile["weight"]
-        y = x @ w.reshape(-1, w.shape[-1]).float().T
-        if tile.attr("epilogue") == "silu_mul":
-            n = w.shape[1]
-            tile["out"].copy_(silu_mul(bf16(y[:, :n]), bf16(y[:, n:])))
-            return
-        y = bf16(y)
-        if tile.has("residual"):
-            y = y + tile["residual"].float()
-        tile["out"].copy_(y)
+        project(tile)
 
     def cost(self, op: OpView) -> TaskCost:
         wshape = op.shape("weight")

@@ -224,20 +224,8 @@ class Linear(TaskKind):
         return x_bytes + PART_BYTES + extra + 2048
 
     def reference(self, tile: Tile) -> None:
-        x = linear_input(tile)
-        w = tile["weight"]
-        k = w.shape[-1]
-        y = x @ w.reshape(-1, k).float().T
+        project(tile)
         out = tile["out"]
-        if tile.attr("epilogue") == "silu_mul":
-            n = w.shape[1]
-            out.copy_(silu_mul(bf16(y[:, :n]), bf16(y[:, n:])))
-            return
-        if out.dtype == torch.bfloat16:
-            y = bf16(y)
-        if tile.has("residual"):
-            y = y + tile["residual"].float()
-        out.copy_(y)
         if tile.attr("epilogue") == "argmax":
             first = split_bounds(tile.op.shape("out")[1], tile.op.grid[0],
                                  self.split_align(tile.op, "out"), tile.point[0])[0]
@@ -267,6 +255,24 @@ def _ranked(tile: Tile, values: torch.Tensor, first: int) -> torch.Tensor:
                                      tile["runs"][b] if tile.has("runs") else None, tile.step)
             ranked[b] = sampling.perturbed(values[b], row.temperature, row.seed, position, first)
     return ranked
+
+
+def project(tile: Tile) -> None:
+    """out = epilogue(prologue(x) @ weight^T) for the none / silu_mul epilogues and the
+    residual (argmax ranks `out` afterwards): the arithmetic linear and gemm share."""
+    x = linear_input(tile)
+    w = tile["weight"]
+    y = x @ w.reshape(-1, w.shape[-1]).float().T
+    out = tile["out"]
+    if tile.attr("epilogue") == "silu_mul":
+        n = w.shape[1]
+        out.copy_(silu_mul(bf16(y[:, :n]), bf16(y[:, n:])))
+        return
+    if out.dtype == torch.bfloat16:
+        y = bf16(y)
+    if tile.has("residual"):
+        y = y + tile["residual"].float()
+    out.copy_(y)
 
 
 def linear_input(tile: Tile) -> torch.Tensor:
