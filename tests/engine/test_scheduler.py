@@ -381,3 +381,94 @@ def test_a_wide_plan_takes_the_launches_that_feed_prompts() -> None:
     assert a.result().token_ids == solo([1, 2, 3], 30)
     assert c.result().token_ids == solo(long, 6)
     assert len(narrow.launches) > 1 and pool.num_free == 64
+
+
+# ---- prompts fed through a prefill plan (models/prefill.py) -----------------------------------
+class FakeChunkExecutor:
+    """The prefill plan's step semantics with the fake rule: rows 0 .. n-1 are positions
+    p0 .. p0+n-1 of one sequence; row i sees the cache before p0 and rows 0 .. i-1 of the
+    chunk; the rows' cache writes land after every row has read; TOKENS_OUT holds the token
+    of row n-1. Shares the decode fake's KV cache."""
+
+    def __init__(self, chunk: int, cache: list[int]) -> None:
+        self.io = {io.PROMPT: torch.zeros(1, chunk, dtype=torch.int32),
+                   io.POSITIONS: torch.zeros(1, dtype=torch.int32),
+                   io.CHUNK: torch.zeros(1, dtype=torch.int32),
+                   io.HEAD_POSITION: torch.zeros(1, dtype=torch.int32),
+                   io.PAGE_TABLE: torch.zeros(1, MAX_PAGES, dtype=torch.int32),
+                   io.SAMPLING: torch.zeros(1, io.SAMPLING_WORDS, dtype=torch.int32),
+                   io.TOKENS_OUT: torch.full((1, 1), -7, dtype=torch.int32)}
+        self.cache = cache
+        self.launches: list[int] = []  # rows fed per launch
+
+    write = FakeExecutor.write
+    read = FakeExecutor.read
+    _slot = FakeExecutor._slot
+
+    def run(self, num_steps: int = 1) -> None:
+        assert num_steps == 1
+        n, p0 = int(self.io[io.CHUNK][0]), int(self.io[io.POSITIONS][0])
+        assert int(self.io[io.HEAD_POSITION][0]) == p0 + n - 1
+        ids = self.io[io.PROMPT][0, :n].tolist()
+        self.launches.append(n)
+        history = []
+        for q in range(p0):
+            slot = self._slot(0, q)
+            token = self.cache[slot] if slot is not None else -1
+            history.append(token if token >= 0 else POISON)
+        out = None
+        for i, token in enumerate(ids):
+            out = rule(token, p0 + i, weigh(history + ids[:i]))
+        for i, token in enumerate(ids):
+            slot = self._slot(0, p0 + i)
+            if slot is not None:
+                self.cache[slot] = token
+        self.io[io.TOKENS_OUT][0, 0] = out
+
+
+def make_chunked(slots: int, steps: int, chunk: int, pages: int = 200
+                 ) -> tuple[Scheduler, FakeExecutor, FakeChunkExecutor]:
+    ex = FakeExecutor(slots, steps, pages)
+    prefill = FakeChunkExecutor(chunk, ex.cache)
+    sched = Scheduler(ex, PagePool(pages, PAGE), slots, MAX_PAGES, steps,
+                      chunk=lambda: (prefill, chunk))
+    return sched, ex, prefill
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16])
+@pytest.mark.parametrize("seed", range(3))
+def test_prompts_through_a_prefill_plan_get_their_solo_tokens(chunk: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    sched, ex, prefill = make_chunked(3, 4, chunk)
+    handles = []
+    for _ in range(7):
+        n = int(torch.randint(1, 40, (1,), generator=gen))
+        prompt = torch.randint(0, VOCAB, (n,), generator=gen).tolist()
+        m = int(torch.randint(1, 8, (1,), generator=gen))
+        handles.append((prompt, m, sched.submit(RequestHandle(prompt,
+                                                             SamplingParams(max_tokens=m)))))
+        sched.step()
+    drain(sched)
+    for prompt, m, h in handles:
+        assert h.result().token_ids == solo(prompt, m)
+    assert prefill.launches and max(prefill.launches) <= chunk
+    assert sched.pool.num_free == 200
+
+
+def test_prefill_launches_alternate_with_the_decoding_rows() -> None:
+    sched, ex, prefill = make_chunked(2, 4, 8)
+    a = sched.submit(RequestHandle([3, 1, 4], SamplingParams(max_tokens=40)))
+    sched.step()
+    long = [(5 * i + 2) % VOCAB for i in range(30)]
+    b = sched.submit(RequestHandle(long, SamplingParams(max_tokens=3)))
+    kinds = []
+    while sched.has_work():
+        before = (len(ex.launches), len(prefill.launches))
+        sched.step()
+        kinds.append("decode" if len(ex.launches) > before[0] else "prefill")
+    # 30 positions: 8 a prefill launch, and between them the request's own row of the
+    # decode launch feeds 4 more (one a step): 8 + 4 + 8 + 4 + 6
+    assert kinds[:5] == ["prefill", "decode", "prefill", "decode", "prefill"]
+    assert prefill.launches == [8, 8, 6]
+    assert a.result().token_ids == solo([3, 1, 4], 40)
+    assert b.result().token_ids == solo(long, 3)
