@@ -44,7 +44,7 @@ def test_mpk_prefill_timing_on_the_interpreter() -> None:
                         prefill_chunk=0)  # the rows path, as on the GPU
         ms, token, steps = time_mpk_prefill(engine, list(range(1, 41)), max_batch=8, repeats=2)
         assert ms > 0 and 0 <= token < cfg.vocab_size
-        assert steps == want
+        assert steps == want and engine.prefill_chunk == 0
 
 
 def test_the_cli_prefill_mode_errors(capsys: pytest.CaptureFixture[str]) -> None:

@@ -118,6 +118,7 @@ def test_seeded_sampling_matches_the_one_position_path() -> None:
     b = fast.generate([prompt], max_new_tokens=8, sampling=params)
     assert a.token_ids == b.token_ids
     assert a.timings["steps"] == 70 + 7 and b.timings["steps"] < 15
+    assert slow.prefill_chunk == 0 and fast.prefill_chunk == CHUNK
 
 
 def test_which_backends_and_models_take_prefill_plans() -> None:

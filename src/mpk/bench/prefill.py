@@ -1,7 +1,8 @@
 """`mpk bench --prefill P`: time to first token of one P-token prompt, MPK against torch.
 
-MPK: the serving engine with `max_batch` rows and the prompt alone, so it is fed as a run of
-every row (chunked prefill in the decode batch, tasks/runs.py): max_batch positions a step.
+MPK: the serving engine with `max_batch` rows and the prompt alone, fed through the engine's
+prefill plan where the backend runs one (models/prefill.py), else as a run of every row
+(chunked prefill in the decode batch, tasks/runs.py): max_batch positions a step.
 TTFT is from submit to the first token on the handle, the median of `repeats` after a warm-up
 (which compiles the plan and builds the kernel).
 torch: the baseline decoder's weights and KV cache (bench/baseline.py) over the whole prompt at
@@ -86,7 +87,10 @@ def run_prefill_bench(engine: Engine, model: StaticDecoder, prompt: list[int], m
     mpk_ms, mpk_token, steps = time_mpk_prefill(engine, prompt, max_batch, repeats)
     tokens = torch.tensor(prompt, dtype=torch.long, device=model.device)
     torch_ms, torch_token = time_torch_prefill(model, tokens, repeats)
-    return {"prompt_tokens": len(prompt), "max_batch": max_batch, "mpk_steps": steps,
+    path = (f"prefill plan, {engine.prefill_chunk} positions a launch" if engine.prefill_chunk
+            else f"runs of {max_batch} rows")
+    return {"prompt_tokens": len(prompt), "max_batch": max_batch, "mpk_path": path,
+            "mpk_steps": steps,
             "mpk_ttft_ms": round(mpk_ms, 3), "torch_prefill_ms": round(torch_ms, 3),
             "mpk_over_torch": round(mpk_ms / torch_ms, 2),
             "first_token_agrees": mpk_token == torch_token}
@@ -94,7 +98,7 @@ def run_prefill_bench(engine: Engine, model: StaticDecoder, prompt: list[int], m
 
 def format_prefill(result: dict[str, Any]) -> list[str]:
     return [f"prefill of {result['prompt_tokens']} tokens: MPK {result['mpk_ttft_ms']:.1f} ms "
-            f"to the first token ({result['mpk_steps']} steps on {result['max_batch']} rows), "
+            f"to the first token ({result['mpk_steps']} launch steps: {result['mpk_path']}), "
             f"torch (cuBLAS + SDPA, eager) {result['torch_prefill_ms']:.1f} ms: "
             f"x{result['mpk_over_torch']} of torch; first token agrees: "
             f"{result['first_token_agrees']}"]

@@ -269,6 +269,12 @@ class Engine:
         return (self.options.prefill_chunk > 0 and self.tp is None
                 and supports_prefill(self.cfg, self.options.backend))
 
+    @property
+    def prefill_chunk(self) -> int:
+        """Prompt positions per prefill-plan launch, or 0 when this engine feeds prompts as
+        runs of its decode batch (no prefill plan on its backend or model, or disabled)."""
+        return self.options.prefill_chunk if self._chunked else 0
+
     def _chunk(self, batch: int, timings: dict[str, float]) -> Executor:
         """The prefill plan of the batch-`batch` runner, on its KV cache."""
         runner = self._runners[batch]
