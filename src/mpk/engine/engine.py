@@ -217,11 +217,12 @@ class Engine:
                                     None if None in texts else texts)
         sched = self._scheduler(len(rows), timings, detokenize)
         handles = [sched.submit(RequestHandle(row, params)) for row in rows]
-        total = max(len(r) + max_new_tokens - 1 for r in rows)
-        with tqdm(total=total, desc="generating", unit="step", disable=not self.progress,
-                  leave=False) as bar:
+        # Progress in tokens generated (prompts are fed a varying number of positions a step).
+        with tqdm(total=len(rows) * max_new_tokens, desc="generating", unit="token",
+                  disable=not self.progress, leave=False) as bar:
             while sched.has_work():
-                bar.update(sched.step())
+                sched.step()
+                bar.update(sum(len(h.tokens) for h in handles) - bar.n)
         timings.update(_split_timings(sched.stats, handles))
         results = [h.result() for h in handles]
         return GenerationResult([r.token_ids for r in results], timings,
