@@ -55,7 +55,8 @@ class EngineConfig:
     # fewer: compiled on first use, on the same KV cache (1: never).
     prefill_rows: int = MAX_BATCH
     # Prompt positions per launch of the prefill plan (models/prefill.py), where the backend
-    # runs one; longer prompts take several (0: no prefill plan, prompts go in as runs).
+    # runs one; longer prompts take several (0: no prefill plan, prompts go in as runs). A chunk
+    # smaller than what runs feed in a launch (prefill_rows x steps_per_launch) is slower.
     prefill_chunk: int = 256
 
     def __post_init__(self) -> None:

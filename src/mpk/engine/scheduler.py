@@ -15,7 +15,10 @@ embeds its own previous token after it; a request's first row in a launch is for
 token, so a request may change rows between launches. A request's j-th token comes from the
 step at its position len(prompt) - 1 + j. An unused row runs on a page table of NO_PAGE
 entries: it writes no KV and its tokens are dropped. A request's tokens depend only on its own
-prompt (and seed), never on its rows or what runs beside it.
+prompt (and seed) up to rounding: which plan and rows feed a position depends on what runs
+beside it, and plans may round differently (the interpreter's matmuls by row count, the two
+attention kinds, the KV splits of plans of different batch), so at a real near-tie a greedy
+token may flip.
 """
 
 from __future__ import annotations
@@ -177,9 +180,8 @@ class Scheduler:
 
     def cancel_all(self) -> None:
         """Mark every waiting and running request cancelled (retired at the next step)."""
-        with self._lock:
-            handles = list(self.waiting)
-        handles += [r.handle for r in self.running]
+        with self._lock:  # the serving thread removes finished requests under the lock
+            handles = list(self.waiting) + [r.handle for r in self.running]
         for handle in handles:
             handle.cancel()
 
@@ -375,7 +377,8 @@ class Scheduler:
 
     def _release(self, run: _Running, reason: FinishReason, error: str | None = None) -> None:
         self.pool.free(run.pages)
-        self.running.remove(run)
+        with self._lock:
+            self.running.remove(run)
         run.handle.finish(reason, text=self._text(run.handle), error=error)
 
     def _text(self, handle: RequestHandle) -> str | None:

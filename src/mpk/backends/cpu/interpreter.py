@@ -8,6 +8,7 @@ no task wrote shows up in the results.
 from __future__ import annotations
 
 import random
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -19,6 +20,22 @@ from mpk.dtypes import DType
 from mpk.errors import MpkError
 from mpk.tasks.base import Tile, grid_points
 from mpk.tasks.registry import get_kind
+
+# fp32 copies of bound bf16 weights, shared by every executor in the process (tied names, and
+# an engine's decode, wide and prefill plans, bind the same weights): (address, shape, strides)
+# -> (a weak reference to the source, its copy). A copy is handed out only while its source
+# lives, so its address cannot have been reused by other data; weights are never written.
+_FP32: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
+
+
+def _fp32_copy(tensor: torch.Tensor) -> torch.Tensor:
+    key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+    hit = _FP32.get(key)
+    if hit is not None and hit[0]() is not None:
+        return hit[1]
+    copy = tensor.float()
+    _FP32[key] = (weakref.ref(tensor, lambda _, key=key: _FP32.pop(key, None)), copy)
+    return copy
 
 INT_POISON = -(2**31) + 7
 
@@ -53,7 +70,7 @@ class CpuExecutor:
                 buf = torch.empty(t.shape, dtype=DType(t.dtype).torch)
                 self.tensors[t.name] = poison_(buf) if poison else buf.zero_()
         self._views: dict[int, dict[str, torch.Tensor]] | None = None
-        self._upcast: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._upcast: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name: (source, fp32)
         self._kinds = [get_kind(k) for k in plan.kinds]
         self._op_views = [plan.op_view(i) for i in range(len(plan.ops))]
 
@@ -65,12 +82,10 @@ class CpuExecutor:
         _check_like(name, tensor, tuple(spec.shape), DType(spec.dtype).torch)
         tensor = tensor if tensor.device.type == "cpu" else tensor.cpu()
         if spec.role == "weight" and tensor.dtype == torch.bfloat16:
-            # Weights are read-only: keep an exact fp32 copy (shared by tied names) so each
-            # tile's fp32 math does not convert its weights again.
-            key = (tensor.data_ptr(), tuple(tensor.shape))
-            if key not in self._upcast:  # the source is kept too, so its address stays taken
-                self._upcast[key] = (tensor, tensor.float())
-            tensor = self._upcast[key][1]
+            # Weights are read-only: keep an exact fp32 copy so each tile's fp32 math does not
+            # convert its weights again (the source is kept too, so its address stays taken).
+            self._upcast[name] = (tensor, _fp32_copy(tensor))
+            tensor = self._upcast[name][1]
         self.tensors[name] = tensor
         self._views = None
 

@@ -9,11 +9,13 @@ k_cache / v_cache [num_pages, page_size, KVH, D] bf16 (read and written), out [C
 Row i < n (position p = p0 + i) of KV head h:
   1. q, k = RoPE(RMSNorm(q), RMSNorm(k)) at p (fp32, rounded to bf16 once), v as is: the same
      preparation, rounding and cache write as `attention`.
-  2. attends to the cached positions [0, p0) of the sequence (a position whose page entry is
-     outside the pool is masked) and to chunk rows 0 .. i, whose keys and values it prepares
-     from qkv itself: other tasks of the op write them to the cache, unordered with this one.
+  2. attends to the cached positions [0, p0) of the sequence and to chunk rows 0 .. i, whose
+     keys and values it prepares from qkv itself (other tasks of the op write them to the
+     cache, unordered with this one); as in `attention`, a position whose page entry is outside
+     the page table or the pool is masked out, and a row that sees no position writes zeros.
   3. the task of rows [r0, r1) writes the keys and values of its rows below n to the cache.
-Padding rows (i >= n) write zeros to out and nothing to the caches.
+Padding rows (i >= n), and rows whose position is outside [0, max_pos), write zeros to out and
+nothing to the caches.
 Grid (KVH, QB): task (h, j) takes rows [j*C/QB, (j+1)*C/QB) (QB divides C).
 
 Semantics only for now (the CPU interpreter); the CUDA kernel is not written (see tasks/gemm).
@@ -26,7 +28,7 @@ import math
 import torch
 
 from mpk.dtypes import DType
-from mpk.tasks.attention.task import rope_rotate
+from mpk.tasks.attention.task import MAX_HEAD_DIM, rope_rotate
 from mpk.tasks.base import Access, OpView, OperandSpec, TaskCost, TaskKind, Tile
 from mpk.tasks.numerics import bf16, rmsnorm_rows
 from mpk.tasks.registry import register
@@ -76,10 +78,18 @@ class AttentionPrefill(TaskKind):
         for name in ("positions", "chunk", "page_table"):
             op.expect_dtype(name, DType.I32)
         op.expect_dtype("rope", DType.F32)
+        if d % 16 or not 16 <= d <= MAX_HEAD_DIM:
+            raise op.error(f"head_dim {d} is not supported: use a multiple of 16 up to "
+                           f"{MAX_HEAD_DIM}")
+        for name in ("q_norm", "k_norm"):
+            if op.has(name):
+                op.expect_shape(name, (d,))
         if op.grid[0] != kv_heads or op.grid[2] != 1 or rows % op.grid[1]:
             raise op.error(f"the grid is (KV heads, query blocks dividing {rows}) = "
                            f"({kv_heads}, QB), got {op.grid}")
         op.expect_unsplit("qkv", 0)
+        op.expect_same_split("qkv", 1, "k_cache", 2)
+        op.expect_same_split("out", 1, "k_cache", 2)
 
     def reference(self, tile: Tile) -> None:
         num_pages, page_size, heads, d = tile["k_cache"].shape
@@ -88,22 +98,27 @@ class AttentionPrefill(TaskKind):
         block = rows // tile.op.grid[1]
         r0 = tile.point[1] * block
         n, p0 = int(tile["chunk"][0]), int(tile["positions"][0])
+        n = min(n, tile["rope"].shape[0] - p0)  # rows past the rope table are padding
         hi = max(r0, min(r0 + block, n))  # this task's real rows are [r0, hi)
         tile["out"].zero_()
-        if hi == r0:
+        if hi == r0 or p0 < 0:
             return
         scale = tile.attr("scale") or d ** -0.5
         pos = torch.arange(p0, p0 + hi)
         q, k, v = self._vectors(tile, hi, pos, group, d)
         self._append(tile, r0, hi, pos, k, v, page_size, num_pages)
         ck, cv = self._cached(tile, p0, page_size, num_pages)  # [L, heads, D]
-        keys = torch.cat([ck, bf16(k).float()])  # cached positions, then chunk rows 0 .. hi-1
+        keys = torch.cat([ck, k])  # cached positions, then chunk rows 0 .. hi-1
         values = torch.cat([cv, v])
         scores = torch.einsum("ihgd,lhd->ihgl", q[r0:hi], keys) * scale
         visible = torch.arange(len(ck) + hi)[None, :] <= (len(ck) + torch.arange(r0, hi))[:, None]
+        visible[:, len(ck):] &= self._paged(tile, pos, page_size, num_pages)[None, :]
         scores = scores.masked_fill(~visible[:, None, None, :], -math.inf)
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.einsum("ihgl,lhd->ihgd", probs, values)
+        # attention's arithmetic: exp(s - logsumexp) against fp32 values; a row that sees no
+        # position (every page entry invalid) gets zeros
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        o = torch.einsum("ihgl,lhd->ihgd", torch.exp(scores - lse), values)
+        o = torch.where(torch.isfinite(lse), o, torch.zeros_like(o))
         tile["out"][: hi - r0].copy_(o.reshape(hi - r0, heads * group * d))  # the block's rows
 
     def _vectors(self, tile: Tile, hi: int, pos: torch.Tensor, group: int, d: int
@@ -118,6 +133,15 @@ class AttentionPrefill(TaskKind):
         q = bf16(rope_rotate(q, cos[:, None, None], sin[:, None, None]))
         k = bf16(rope_rotate(k, cos[:, None], sin[:, None]))
         return q, k, v
+
+    @staticmethod
+    def _paged(tile: Tile, pos: torch.Tensor, page_size: int, num_pages: int) -> torch.Tensor:
+        """Whether each chunk position's page entry is inside the page table and the pool."""
+        table = tile["page_table"][0]
+        index = pos // page_size
+        inside = index < table.shape[0]
+        pages = table[index.clamp(max=table.shape[0] - 1)].long()
+        return inside & (pages >= 0) & (pages < num_pages)
 
     def _append(self, tile: Tile, r0: int, hi: int, pos: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, page_size: int, num_pages: int) -> None:
