@@ -168,8 +168,11 @@ class AttentionPrefill(TaskKind):
         return tile["k_cache"][pages, slots].float(), tile["v_cache"][pages, slots].float()
 
     def cost(self, op: OpView) -> TaskCost:
-        rows, _ = op.shape("qkv")
+        # The chunk's keys and values of one head, against a block of queries of its G heads
+        # (the cached context is not known at compile time).
+        rows, width = op.shape("qkv")
         _, _, heads, d = op.shape("k_cache")
+        group = width // (heads * d) - 2
         block = rows // op.grid[1]
         return TaskCost(weight_bytes=0, act_bytes=2 * 2 * rows * d * 2,
-                        flops=4 * block * rows * d)
+                        flops=4 * block * group * rows * d)
