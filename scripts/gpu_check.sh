@@ -8,6 +8,9 @@
 #                                          (GB/s per SM by page count, page size, L2 vs HBM, ...),
 #                                          then probe_phases.py (a linear task's phases, ablations)
 #   bash scripts/gpu_check.sh tp           tensor parallelism (needs >= 2 GPUs: nvidia-h200-x2+)
+#   bash scripts/gpu_check.sh runs         the fifth session's unrun CUDA (attention's run rows,
+#                                          sampling positions): its kernel tests, the engine's runs
+#                                          against the reference, then qwen3-0.6b b1 (must stay 1.13)
 #   bash scripts/gpu_check.sh prefill      mpk bench --prefill (TTFT of one long prompt fed as a
 #                                          run of 16 rows vs torch cuBLAS + SDPA) on qwen3-0.6b and
 #                                          qwen3-8b (PREFILL, default 2048), then the serving bench
@@ -112,6 +115,13 @@ case $mode in
       --launch "python3 -m mpk serve --backend cuda --model ${SERVE_MODEL:-qwen3-8b} \
       --max-batch 16 --port 0" --out "$OUT/bench-serve.json"
     ;;
+  runs)
+    step kernels_attention 150 $PYTEST tests/gpu/test_kernels_attention.py || exit $status
+    step kernels_sampling 120 $PYTEST tests/gpu/test_kernels_linear.py -k "samples or argmax"
+    step model_runs 240 $PYTEST --timeout 200 tests/gpu/test_model_gpu.py -k \
+      "runs or batched or tiny"
+    step bench-qwen3-0.6b-b1 120 python3 -m mpk bench --model qwen3-0.6b --new-tokens 100
+    ;;
   prefill)
     for model in qwen3-0.6b qwen3-8b; do
       step "prefill-$model" 200 python3 -m mpk bench --prefill "${PREFILL:-2048}" \
@@ -120,6 +130,7 @@ case $mode in
     step bench-serving-long 200 python3 -m mpk bench --serving --model qwen3-0.6b \
       --requests 32 --max-batch 16 --prompt-len 64:1024 --json
     ;;
-  *) echo "unknown mode $mode (use correctness, real, perf, probe, tp, serve or prefill)"; exit 2 ;;
+  *) echo "unknown mode $mode (use correctness, real, perf, probe, tp, serve, runs or prefill)"
+     exit 2 ;;
 esac
 exit $status
