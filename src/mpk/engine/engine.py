@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -30,7 +30,7 @@ from mpk.engine.requests import (GenerationResult, InvalidRequestError, RequestH
 from mpk.engine.scheduler import Detokenize, LaunchStats, Scheduler
 from mpk.engine.serving import ServingLoop
 from mpk.errors import MpkError
-from mpk.graph.graph import DEFAULT_NUM_SMS
+from mpk.graph.graph import DEFAULT_NUM_SMS, Graph
 from mpk.models.builder import DecodeShape, build_graph, graph_weights
 from mpk.models.config import ModelConfig
 from mpk.models.prefill import PrefillShape, build_prefill_graph, supports_prefill
@@ -284,55 +284,60 @@ class Engine:
             opts = self.options
             shape = PrefillShape(chunk=opts.prefill_chunk, page_size=opts.page_size,
                                  max_pages=opts.max_pages, num_pages=batch * opts.max_pages)
-            with self._status(f"compiling {self.cfg.name or self.cfg.arch}'s prefill plan"):
-                start = time.perf_counter()
-                plan = compile_cached(build_prefill_graph(self.cfg, shape, opts.num_sms),
-                                      num_sms=opts.num_sms)
-                timings["compile_s"] += time.perf_counter() - start
-            start = time.perf_counter()
-            runner.chunk = self._executor(plan)
-            _bind_all(plan, runner.chunk, self._weights, runner.cache, self.device)
-            timings["load_s"] += time.perf_counter() - start
+            plan = self._compile(lambda: build_prefill_graph(self.cfg, shape, opts.num_sms),
+                                 f"{self.cfg.name or self.cfg.arch}'s prefill plan", timings)
+            runner.chunk = self._bound_executor(plan, runner.cache, timings)
         return runner.chunk
 
     def _runner(self, batch: int, timings: dict[str, float]) -> _Runner:
-        if batch in self._runners:
-            return self._runners[batch]
-        opts = self.options
-        shape = opts.decode_shape(batch)
-        plan = self._compile(shape, timings)
-        start = time.perf_counter()
-        executor = self._executor(plan)
-        kv_heads = self.cfg.num_kv_heads // (self.tp.size if self.tp else 1)
-        cache = KvCache(KvShape(self.cfg.num_layers, shape.num_pages, opts.page_size,
-                                kv_heads, self.cfg.head_dim), device=self.device)
-        _bind_all(plan, executor, self._weights, cache, self.device)
-        timings["load_s"] += time.perf_counter() - start
-        self._runners[batch] = _Runner(plan, executor, cache)
+        if batch not in self._runners:
+            opts = self.options
+            shape = opts.decode_shape(batch)
+            plan = self._compile_decode(shape, timings)
+            start = time.perf_counter()
+            kv_heads = self.cfg.num_kv_heads // (self.tp.size if self.tp else 1)
+            cache = KvCache(KvShape(self.cfg.num_layers, shape.num_pages, opts.page_size,
+                                    kv_heads, self.cfg.head_dim), device=self.device)
+            timings["load_s"] += time.perf_counter() - start
+            self._runners[batch] = _Runner(plan, self._bound_executor(plan, cache, timings),
+                                           cache)
         return self._runners[batch]
 
     def _wide(self, batch: int, timings: dict[str, float]) -> Executor:
-        """The prefill plan of the batch-`batch` runner: prefill_rows rows on its KV cache."""
+        """The prefill_rows plan of the batch-`batch` runner, on its KV cache."""
         runner = self._runners[batch]
         if runner.wide is None:
-            plan = self._compile(self.options.decode_shape(self.options.prefill_rows, batch),
-                                 timings)
-            start = time.perf_counter()
-            runner.wide = self._executor(plan)
-            _bind_all(plan, runner.wide, self._weights, runner.cache, self.device)
-            timings["load_s"] += time.perf_counter() - start
+            shape = self.options.decode_shape(self.options.prefill_rows, batch)
+            plan = self._compile_decode(shape, timings)
+            runner.wide = self._bound_executor(plan, runner.cache, timings)
         return runner.wide
 
-    def _compile(self, shape: DecodeShape, timings: dict[str, float]) -> Plan:
+    def _compile_decode(self, shape: DecodeShape, timings: dict[str, float]) -> Plan:
         opts = self.options
-        with self._status(f"compiling {self.cfg.name or self.cfg.arch} for batch {shape.batch}"):
+        return self._compile(lambda: build_graph(self.cfg, shape, num_sms=opts.num_sms,
+                                                 tp=self.tp),
+                             f"{self.cfg.name or self.cfg.arch} for batch {shape.batch}",
+                             timings)
+
+    def _compile(self, graph: Callable[[], Graph], label: str,
+                 timings: dict[str, float]) -> Plan:
+        """The plan of `graph()` (cached by content), its time added to compile_s."""
+        with self._status(f"compiling {label}"):
             start = time.perf_counter()
-            graph = build_graph(self.cfg, shape, num_sms=opts.num_sms, tp=self.tp)
-            plan = compile_cached(graph, num_sms=opts.num_sms)
+            plan = compile_cached(graph(), num_sms=self.options.num_sms)
             timings["compile_s"] += time.perf_counter() - start
-        log.info("compiled batch %d: %d tasks in %.2f s", shape.batch, plan.num_tasks,
-                 timings["compile_s"])
+        log.info("compiled %s: %d tasks in %.2f s", label, plan.num_tasks, timings["compile_s"])
         return plan
+
+    def _bound_executor(self, plan: Plan, cache: KvCache,
+                        timings: dict[str, float]) -> Executor:
+        """An executor of `plan` with the weights, `cache` and the IO buffers bound, its time
+        added to load_s."""
+        start = time.perf_counter()
+        executor = self._executor(plan)
+        _bind_all(plan, executor, self._weights, cache, self.device)
+        timings["load_s"] += time.perf_counter() - start
+        return executor
 
     def _executor(self, plan: Plan) -> Executor:
         # The CUDA executor runs on the engine's device; the interpreter always on the CPU.

@@ -172,10 +172,11 @@ class Attention(TaskKind):
         if not 0 <= pos < p["max_pos"]:
             self._write_empty(tile, heads, group, d, p)
             return
-        q = self._query(tile, row, pos, heads, group, d, p)
+        q, k, v = self._vectors(tile, row, pos, heads, group, d, p)
         # This step's keys and values of the run's rows up to this one, by position.
-        fresh = {pos - j: self._key_value(tile, row - j, pos - j, heads, group, d, p)
-                 for j in range(index + 1) if pos - j >= 0}
+        fresh = {pos: (k, v)}
+        fresh.update({pos - j: self._vectors(tile, row - j, pos - j, heads, group, d, p)[1:]
+                      for j in range(1, index + 1) if pos - j >= 0})
         self._append(tile, pos, *fresh[pos], p)
         length = pos + 1
         chunk = math.ceil(length / p["num_splits"])
@@ -198,15 +199,6 @@ class Attention(TaskKind):
             k = rmsnorm_rows(k, tile["k_norm"], p["eps"])
         cos, sin = tile["rope"][pos, : d // 2], tile["rope"][pos, d // 2:]
         return bf16(rope_rotate(q, cos, sin)), bf16(rope_rotate(k, cos, sin)), v
-
-    def _query(self, tile: Tile, row: int, pos: int, heads: int, group: int, d: int,
-               p: dict) -> torch.Tensor:
-        return self._vectors(tile, row, pos, heads, group, d, p)[0]
-
-    def _key_value(self, tile: Tile, row: int, pos: int, heads: int, group: int, d: int,
-                   p: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        _, k, v = self._vectors(tile, row, pos, heads, group, d, p)
-        return k, v
 
     def _append(self, tile: Tile, pos: int, k: torch.Tensor, v: torch.Tensor, p: dict) -> None:
         """The split that covers `pos` writes its key and value to the row's page."""
