@@ -182,15 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode steps per kernel launch (default: 16)")
     g.add_argument("--max-seq-len", type=_positive, default=None, metavar="N",
                    help="KV-cache length per sequence (default: what the request needs)")
-    g.add_argument("--prefill-rows", type=_positive, default=None, metavar="R",
-                   help="rows of the plan that feeds a long prompt many positions a step "
-                        "(chunked prefill), 1-16 (default: 16, the most a plan has; a second "
-                        "plan on the batch's KV cache, built for prompts longer than a launch); "
-                        "1: one position a step")
-    g.add_argument("--prefill-chunk", type=int, default=256, metavar="C",
-                   help="prompt positions per launch of the prefill plan, on backends that run "
-                        "one (today the CPU interpreter; default: 256); 0: none, prompts go in "
-                        "as runs of --prefill-rows")
+    from mpk.server.options import add_prefill_arguments
+
+    add_prefill_arguments(g)
     g.add_argument("--tp", type=_positive, default=1, metavar="G",
                    help="tensor-parallel ranks, one process (and one GPU) each (default: 1); "
                         "the CUDA all-reduce has not run on GPUs yet")

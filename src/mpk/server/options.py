@@ -39,6 +39,14 @@ class ServeOptions:
     weights_seed: int = 0  # random weights of a preset without real ones
 
 
+def positive(text: str) -> int:
+    """argparse type: an integer > 0."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The serve-specific options (the CLI adds --model / --checkpoint / --backend / -v)."""
 
@@ -46,12 +54,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         value = int(text)
         if not 0 <= value <= 65535:
             raise argparse.ArgumentTypeError(f"a port is 0-65535 (0: any free one), got {text}")
-        return value
-
-    def positive(text: str) -> int:
-        value = int(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
         return value
 
     p.add_argument("--host", default=DEFAULT_HOST,
@@ -69,14 +71,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="N",
                    help=f"decode steps per kernel launch (default: {DEFAULT_STEPS_PER_LAUNCH}); "
                         f"a launch's tokens reach clients together")
-    p.add_argument("--prefill-rows", type=positive, default=None, metavar="R",
-                   help="rows of the plan that feeds long prompts many positions a step "
-                        "(chunked prefill), 1-16 (default: 16, the most a plan has); with "
-                        "more rows than --max-batch it is a second plan on the same KV cache, "
-                        "built when a long prompt first arrives; 1: one position a step")
-    p.add_argument("--prefill-chunk", type=int, default=256, metavar="C",
-                   help="prompt positions per launch of the prefill plan, on backends that run "
-                        "one (today the CPU interpreter; default: 256); 0: none")
+    add_prefill_arguments(p)
     p.add_argument("--num-sms", type=positive, default=None, metavar="N",
                    help="SMs (persistent CTAs) to compile for (default: every SM of the GPU, "
                         "or 4 on the CPU interpreter)")
@@ -89,6 +84,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights-seed", type=int, default=0, metavar="S",
                    help="seed of the random weights of presets without real ones (default: 0); "
                         "requests carry their own sampling seed")
+
+
+def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
+    """How prompts are fed (the engine's prefill_rows and prefill_chunk): mpk serve and
+    mpk generate take the same two options."""
+    p.add_argument("--prefill-rows", type=positive, default=None, metavar="R",
+                   help="rows of the plan that feeds long prompts many positions a step "
+                        "(chunked prefill in the decode batch), 1-16 (default: 16, the most a "
+                        "plan has); with more rows than the batch it is a second plan on the "
+                        "same KV cache, built for prompts longer than a launch; 1: one position "
+                        "a step")
+    p.add_argument("--prefill-chunk", type=int, default=256, metavar="C",
+                   help="prompt positions per launch of the prefill plan, on backends that run "
+                        "one (today the CPU interpreter; default: 256); 0: none, prompts go in "
+                        "as runs of --prefill-rows")
 
 
 def options_from_args(args: argparse.Namespace, backend: str) -> ServeOptions:
