@@ -31,6 +31,22 @@ def randn(shape, dtype: torch.dtype, g: torch.Generator, scale: float = 1.0) -> 
     return (torch.randn(shape, generator=g) * scale).to(dtype)
 
 
+def rope_table(max_pos: int, d: int) -> torch.Tensor:
+    """[max_pos, d] f32: cos of each position's angles, then sin (the attention kinds' rope)."""
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat([ang.cos(), ang.sin()], dim=1).float()
+
+
+def add_qk_norms(graph: Graph, inputs: dict[str, torch.Tensor], operands: dict[str, str],
+                 d: int, g: torch.Generator) -> None:
+    """Qwen3's q_norm / k_norm weights (around 1) as graph weights and attention operands."""
+    for name in ("q_norm", "k_norm"):
+        graph.add_tensor(name, (d,), BF16, Role.WEIGHT)
+        inputs[name] = (1.0 + 0.5 * torch.randn(d, generator=g)).to(torch.bfloat16)
+        operands[name] = name
+
+
 def run_both(graph: Graph, inputs: dict[str, torch.Tensor], outputs: list[str],
              steps: int = 1, num_sms: int = NUM_SMS
              ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
