@@ -6,6 +6,8 @@ sampling draws what the one-position-a-step path draws."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -130,7 +132,10 @@ def test_seeded_sampling_matches_the_one_position_path() -> None:
 def test_which_backends_and_models_take_prefill_plans() -> None:
     assert supports_prefill(get_preset("tiny-llama"), "cpu")
     assert not supports_prefill(get_preset("tiny-qwen3-moe"), "cpu")  # MoE: runs
-    assert not supports_prefill(get_preset("tiny-llama"), "cuda")  # no CUDA kernels yet
+    assert supports_prefill(get_preset("tiny-llama"), "cuda")
+    # attention_prefill's CUDA tile holds head dims up to 128 in registers
+    wide_heads = dataclasses.replace(get_preset("tiny-llama"), head_dim=256)
+    assert supports_prefill(wide_heads, "cpu") and not supports_prefill(wide_heads, "cuda")
 
 
 def test_chunks_of_two_query_blocks_match_the_reference() -> None:

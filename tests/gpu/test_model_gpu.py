@@ -92,7 +92,7 @@ def test_prompts_fed_as_runs_match_the_reference(preset: str) -> None:
     short = [int(t) for t in torch.randint(cfg.vocab_size, (4,), generator=gen)]
     long = [int(t) for t in torch.randint(cfg.vocab_size, (120,), generator=gen)]
     engine = Engine(cfg, weights, backend="cuda", max_seq_len=256, steps_per_launch=8,
-                    progress=False)
+                    progress=False, prefill_chunk=0)  # runs, not the prefill plan
     engine.start(max_batch=8)
     try:
         first = engine.submit(short, SamplingParams(max_tokens=40))
@@ -106,5 +106,36 @@ def test_prompts_fed_as_runs_match_the_reference(preset: str) -> None:
     assert steps < 80, steps  # 120 + 15 steps for the long request one position at a time
     near_tie = 3 * 2**0.5 * REFERENCE_TOL
     bad = greedy_mismatches(ReferenceModel(cfg, weights, max_seq=256), [short, long], got,
+                            near_tie=near_tie)
+    assert not bad, "; ".join(bad)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-llama", "qwen3-0.6b"])
+def test_prompts_fed_by_the_prefill_plan_match_the_reference(preset: str) -> None:
+    """The prefill plan on the GPU (gemm, attention_prefill, take_row): a 300-token prompt goes
+    in as chunks of 128 positions (so chunks 2 and 3 attend to a cached context) while another
+    request decodes; both requests' greedy tokens are the reference's up to near-ties."""
+    from mpk.engine import Engine, SamplingParams
+    from mpk.testing import greedy_mismatches
+
+    cfg = get_preset(preset)
+    weights = random_weights(cfg, seed=SEED)
+    gen = torch.Generator().manual_seed(SEED + 1)
+    short = [int(t) for t in torch.randint(cfg.vocab_size, (4,), generator=gen)]
+    long = [int(t) for t in torch.randint(cfg.vocab_size, (300,), generator=gen)]
+    engine = Engine(cfg, weights, backend="cuda", max_seq_len=512, steps_per_launch=8,
+                    progress=False, prefill_chunk=128)
+    assert engine.prefill_chunk == 128  # the CUDA engine really runs the prefill plan
+    engine.start(max_batch=4)
+    try:
+        first = engine.submit(short, SamplingParams(max_tokens=24))
+        next(iter(first))
+        second = engine.submit(long, SamplingParams(max_tokens=16))
+        got = [first.result(timeout=600).token_ids, second.result(timeout=600).token_ids]
+    finally:
+        engine.stop()
+    assert [len(g) for g in got] == [24, 16]
+    near_tie = 3 * 2**0.5 * REFERENCE_TOL
+    bad = greedy_mismatches(ReferenceModel(cfg, weights, max_seq=512), [short, long], got,
                             near_tie=near_tie)
     assert not bad, "; ".join(bad)

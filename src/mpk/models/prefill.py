@@ -2,17 +2,17 @@
 through the model at once (the decode graph feeds at most one position per batch row a step).
 
 Rows are positions p0 .. p0+C-1 (p0 = POSITIONS[0]; CHUNK[0] = n of them are prompt, the rest
-padding). Each layer: the qkv projection (a `gemm` with the input norm as its prologue),
+padding). Each layer: the input norm (`rmsnorm` over the rows), the qkv projection (a `gemm`),
 `attention_prefill` (causal over the chunk plus the sequence's cached positions, appending the
-chunk's keys and values to its pages), o_proj + residual, gate_up (post norm prologue, silu*mul
+chunk's keys and values to its pages), o_proj + residual, the post norm, gate_up (silu*mul
 epilogue), down + residual; then the last prompt row (`take_row`) goes through the final norm,
 lm_head and the sampler, drawing at HEAD_POSITION: the request's first token when the chunk ends
 its prompt. The weights and KV-cache tensors are the decode graph's (the same names), so the
 engine binds one KV cache to both plans.
 
 Dense models, one GPU only (a MoE or tensor-parallel engine feeds prompts as runs of its decode
-batch). The CUDA kernels of gemm, attention_prefill and take_row are not written yet, so only the
-CPU interpreter runs prefill plans; `supports_prefill` says whether a backend can.
+batch); `supports_prefill` says whether a backend runs a model's prefill plans (on CUDA: head
+dims up to attention_prefill's CUDA_MAX_HEAD_DIM, the registers of its tile).
 """
 
 from __future__ import annotations
@@ -25,10 +25,13 @@ from mpk.graph.graph import Graph
 from mpk.models import decode_io as io
 from mpk.models.builder import choose_split, lm_head
 from mpk.models.config import ModelConfig
+from mpk.tasks.attention_prefill.task import CUDA_MAX_HEAD_DIM
 from mpk.tensors import Role
 
 BF16, F32, I32 = DType.BF16, DType.F32, DType.I32
 QUERY_BLOCK = 64  # prompt rows per attention_prefill task (when it divides the chunk)
+GEMM_ROWS = 128  # the gemm CUDA tile's height: row blocks are whole tiles
+GEMM_COLUMNS = 128  # outputs per gemm task at most (64 with silu_mul: gate and up rows)
 PREFILL_KINDS = ("gemm", "attention_prefill", "take_row")
 
 
@@ -56,7 +59,7 @@ def supports_prefill(cfg: ModelConfig, backend: str) -> bool:
         return True
     from mpk.backends.cuda.codegen import missing_kernels
 
-    return not missing_kernels(PREFILL_KINDS)
+    return cfg.head_dim <= CUDA_MAX_HEAD_DIM and not missing_kernels(PREFILL_KINDS)
 
 
 def build_prefill_graph(cfg: ModelConfig, shape: PrefillShape, num_sms: int) -> Graph:
@@ -84,8 +87,25 @@ def build_prefill_graph(cfg: ModelConfig, shape: PrefillShape, num_sms: int) -> 
     return g
 
 
-def _tasks(outputs: int, num_sms: int, align: int = 8) -> int:
-    return max(1, min(num_sms, outputs // align))
+def _gemm_grid(outputs: int, chunk: int, num_sms: int, columns: int = GEMM_COLUMNS
+               ) -> tuple[int, int]:
+    """(output ranges, row blocks) of a gemm: ranges of `columns` outputs (one tile wide) and
+    the fewest row blocks of whole GEMM_ROWS-row tiles that give every SM a task (a task costs a few
+    microseconds of its own, so more tasks than SMs only add that); narrower ranges (down to
+    8 outputs) where even one row tile per task leaves SMs idle."""
+    ranges = -(-outputs // columns)
+    tiles = -(-chunk // GEMM_ROWS)
+    blocks = next((b for b in range(1, tiles + 1) if tiles % b == 0 and ranges * b >= num_sms),
+                  tiles)
+    if ranges * blocks < num_sms:
+        ranges = min(-(-num_sms // blocks), max(1, outputs // 8))
+    return ranges, blocks
+
+
+def _norm(g: Graph, name: str, x: str, weight: str, out: str, chunk: int, num_sms: int,
+          eps: float) -> None:
+    g.add_op("rmsnorm", name, (choose_split(chunk, num_sms, 1),),
+             {"x": x, "weight": weight, "out": out}, eps=eps)
 
 
 def _layer(g: Graph, cfg: ModelConfig, shape: PrefillShape, num_sms: int, layer: int) -> None:
@@ -102,12 +122,13 @@ def _layer(g: Graph, cfg: ModelConfig, shape: PrefillShape, num_sms: int, layer:
     cache = (shape.num_pages, shape.page_size, kvh, d)
     g.add_tensor(io.k_cache(layer), cache, BF16, Role.IO)
     g.add_tensor(io.v_cache(layer), cache, BF16, Role.IO)
-    for name, cols in (("qkv", width), ("attn", kvh * group * d), ("act", inter)):
+    for name, cols in (("normed", h), ("qkv", width), ("attn", kvh * group * d),
+                       ("act", inter)):
         g.add_tensor(p + name, (c, cols), BF16, Role.ACTIVATION)
     eps = cfg.rms_eps
-    g.add_op("gemm", p + "qkv", (_tasks(width, num_sms),),
-             {"x": "hidden", "norm_weight": p + "input_norm", "weight": p + "qkv_weight",
-              "out": p + "qkv"}, prologue="rmsnorm", eps=eps)
+    _norm(g, p + "input_norm", "hidden", p + "input_norm", p + "normed", c, num_sms, eps)
+    g.add_op("gemm", p + "qkv", _gemm_grid(width, c, num_sms),
+             {"x": p + "normed", "weight": p + "qkv_weight", "out": p + "qkv"})
     attn = {"qkv": p + "qkv", "rope": "rope", "positions": io.POSITIONS, "chunk": io.CHUNK,
             "page_table": io.PAGE_TABLE, "k_cache": io.k_cache(layer),
             "v_cache": io.v_cache(layer), "out": p + "attn"}
@@ -115,10 +136,11 @@ def _layer(g: Graph, cfg: ModelConfig, shape: PrefillShape, num_sms: int, layer:
         attn.update(q_norm=p + "q_norm", k_norm=p + "k_norm")
     blocks = c // QUERY_BLOCK if c % QUERY_BLOCK == 0 else 1
     g.add_op("attention_prefill", p + "attention", (kvh, blocks), attn, eps=eps)
-    g.add_op("gemm", p + "o_proj", (_tasks(h, num_sms),),
+    g.add_op("gemm", p + "o_proj", _gemm_grid(h, c, num_sms),
              {"x": p + "attn", "weight": p + "o_weight", "residual": "hidden", "out": "hidden"})
-    g.add_op("gemm", p + "gate_up", (_tasks(inter, num_sms, 4),),
-             {"x": "hidden", "norm_weight": p + "post_norm", "weight": p + "gate_up_weight",
-              "out": p + "act"}, prologue="rmsnorm", epilogue="silu_mul", eps=eps)
-    g.add_op("gemm", p + "down", (_tasks(h, num_sms),),
+    _norm(g, p + "post_norm", "hidden", p + "post_norm", p + "normed", c, num_sms, eps)
+    g.add_op("gemm", p + "gate_up", _gemm_grid(inter, c, num_sms, GEMM_COLUMNS // 2),
+             {"x": p + "normed", "weight": p + "gate_up_weight", "out": p + "act"},
+             epilogue="silu_mul")
+    g.add_op("gemm", p + "down", _gemm_grid(h, c, num_sms),
              {"x": p + "act", "weight": p + "down_weight", "residual": "hidden", "out": "hidden"})

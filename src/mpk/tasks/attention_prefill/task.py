@@ -18,7 +18,7 @@ Padding rows (i >= n), and rows whose position is outside [0, max_pos), write ze
 nothing to the caches.
 Grid (KVH, QB): task (h, j) takes rows [j*C/QB, (j+1)*C/QB) (QB divides C).
 
-Semantics only for now (the CPU interpreter); the CUDA kernel is not written (see tasks/gemm).
+CUDA (sm90.cuh): flash attention on tensor cores, head dims up to CUDA_MAX_HEAD_DIM.
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ import torch
 
 from mpk.dtypes import DType
 from mpk.tasks.attention.task import MAX_HEAD_DIM, rope_rotate
-from mpk.tasks.base import Access, OpView, OperandSpec, TaskCost, TaskKind, Tile
+from mpk.tasks.base import Access, OpView, OperandSpec, Param, TaskCost, TaskKind, Tile
 from mpk.tasks.numerics import bf16, rmsnorm_rows
 from mpk.tasks.registry import register
+
+CUDA_MAX_HEAD_DIM = 128  # sm90.cuh holds a 16-row x D output tile per warp in registers
 
 
 @register
@@ -49,6 +51,10 @@ class AttentionPrefill(TaskKind):
         OperandSpec("v_cache", Access.READ_WRITE),
         OperandSpec("out", Access.WRITE),
     )
+    params = (Param("rows"), Param("group"), Param("head_dim"), Param("kv_heads"),
+              Param("page_size"), Param("max_pages"), Param("num_pages"), Param("max_pos"),
+              Param("block"), Param("has_qk_norm"), Param("scale", is_float=True),
+              Param("eps", is_float=True))
     # Each task appends only its own rows' positions; other tasks' positions it prepares itself.
     disjoint_writes = ("k_cache", "v_cache")
     attrs = {"scale": 0.0, "eps": 1e-6}  # scale 0 means head_dim ** -0.5
@@ -90,6 +96,22 @@ class AttentionPrefill(TaskKind):
         op.expect_unsplit("qkv", 0)
         op.expect_same_split("qkv", 1, "k_cache", 2)
         op.expect_same_split("out", 1, "k_cache", 2)
+
+    def param_values(self, op: OpView) -> dict[str, int | float]:
+        num_pages, page_size, kv_heads, d = op.shape("k_cache")
+        rows, width = op.shape("qkv")
+        return {"rows": rows, "group": width // (kv_heads * d) - 2, "head_dim": d,
+                "kv_heads": kv_heads, "page_size": page_size,
+                "max_pages": op.shape("page_table")[1], "num_pages": num_pages,
+                "max_pos": op.shape("rope")[0], "block": rows // op.grid[1],
+                "has_qk_norm": int(op.has("q_norm")), "scale": op.attrs["scale"] or d ** -0.5,
+                "eps": op.attrs["eps"]}
+
+    def scratch_bytes(self, op: OpView) -> int:
+        # sm90.cuh: prepared queries [128][D + 8], keys and values [64][D + 8] (bf16), key
+        # flags [64] i32, the task's context (under 256 bytes).
+        d = op.shape("k_cache")[3]
+        return 2 * (128 + 2 * 64) * (d + 8) + 64 * 4 + 256
 
     def reference(self, tile: Tile) -> None:
         num_pages, page_size, heads, d = tile["k_cache"].shape

@@ -1,26 +1,31 @@
-"""gemm: out = epilogue(prologue(x) @ weight^T) over many rows: a prefill chunk's projections.
+"""gemm: out = epilogue(x @ weight^T) over many rows: a prefill chunk's projections.
 
-The same arithmetic as `linear` (tasks/linear: prologues none / rmsnorm, epilogues none /
-silu_mul, an optional residual, fp32 accumulation, the same rounding points), for x [M, K] with
-any M: the rows are a chunk of one sequence's prompt positions (models/prefill.py), not decode
-batch rows, so M is not bounded by the decode kernel's 16 rows. The grid (T,) cuts the N outputs
-into T contiguous ranges (split_bounds, multiples of 8; 4 for silu_mul).
+The same arithmetic as `linear` without a prologue (tasks/linear: epilogues none / silu_mul, an
+optional residual, fp32 accumulation, the same rounding points), for x [M, K] with any M: the
+rows are a chunk of one sequence's prompt positions (models/prefill.py), not decode batch rows,
+so M is not bounded by the decode kernel's 16 rows. The input norm is a separate `rmsnorm` op
+(one pass over the rows, where a prologue would renormalise every row in every column task).
 
-Semantics only for now: the CPU interpreter runs it; the CUDA kernel (GEMM tiles on tensor
-cores, weights streamed once per tile column) is not written, so the CUDA backend does not
-build prefill plans and its engine feeds prompts as runs of the decode batch instead.
+Grid (T, R): axis 0 cuts the N outputs into T contiguous ranges (split_bounds, multiples of 8;
+with silu_mul, N is the intermediate size and a range covers the same rows of the gate and the
+up matrix); axis 1 cuts the M rows of x, out and residual into R blocks the same way. The CUDA kernel
+(sm90.cuh) computes tiles of 128 rows x 128 weight rows on tensor cores, reading both operands
+through L2 with cp.async (the weights of a range are read once per row block).
 """
 
 from __future__ import annotations
 
 from mpk.dtypes import DType
-from mpk.tasks.base import Access, OpView, OperandSpec, TaskCost, TaskKind, Tile, split_bounds
+from mpk.tasks.base import (Access, OpView, OperandSpec, Param, TaskCost, TaskKind, Tile,
+                            split_bounds)
 from mpk.tasks.linear.task import project
 from mpk.tasks.registry import register
 
-PROLOGUES = ("none", "rmsnorm")
 EPILOGUES = ("none", "silu_mul")
 ALIGN = 8
+# The CUDA tile (sm90.cuh): BM rows x BN weight rows, K in BK steps, STAGES copies in flight.
+BM, BN, BK, STAGES = 128, 128, 64, 3
+SMEM_ROW = BK + 8  # bf16 elements per staged row: 16 bytes of padding spread ldmatrix's rows
 
 
 @register
@@ -28,65 +33,70 @@ class Gemm(TaskKind):
     name = "gemm"
     operands = (
         OperandSpec("x", Access.READ),
-        OperandSpec("norm_weight", Access.READ, optional=True, weight=True),
         OperandSpec("weight", Access.READ, weight=True),
         OperandSpec("residual", Access.READ, optional=True),
         OperandSpec("out", Access.WRITE),
     )
-    attrs = {"prologue": "none", "epilogue": "none", "eps": 1e-6}
+    params = (Param("rows"), Param("row_blocks"), Param("k"), Param("n"), Param("tasks"),
+              Param("silu"), Param("has_residual"))
+    attrs = {"epilogue": "none"}
 
     def default_splits(self, grid, tensors):
         row_dim = len(tensors["weight"].shape) - 2
-        return {"weight": (row_dim, None, None), "out": (1, None, None),
-                "residual": (1, None, None)}
+        return {"x": (None, 0, None), "weight": (row_dim, None, None), "out": (1, 0, None),
+                "residual": (1, 0, None)}
 
     def split_align(self, op: OpView, operand: str) -> int | None:
-        if operand in ("weight", "out", "residual"):
-            return ALIGN // 2 if op.attrs["epilogue"] == "silu_mul" else ALIGN
-        return None
+        return ALIGN  # outputs and rows alike (sm90.cuh computes the same split_bounds)
 
     def check(self, op: OpView) -> None:
-        prologue, epilogue = op.attrs["prologue"], op.attrs["epilogue"]
-        if prologue not in PROLOGUES or epilogue not in EPILOGUES:
-            raise op.error(f"prologue {prologue!r} / epilogue {epilogue!r}: use one of "
-                           f"{PROLOGUES} / {EPILOGUES}")
+        epilogue = op.attrs["epilogue"]
+        if epilogue not in EPILOGUES:
+            raise op.error(f"epilogue {epilogue!r}: use one of {EPILOGUES}")
         wshape = op.shape("weight")
         silu = epilogue == "silu_mul"
         if (silu and (len(wshape) != 3 or wshape[0] != 2)) or (not silu and len(wshape) != 2):
             raise op.error(f"weight must be [N, K] ([2, N, K] with silu_mul), got {wshape}")
         n, k = wshape[-2], wshape[-1]
+        if n % ALIGN or k % 8:
+            raise op.error(f"N = {n} and K = {k} must be multiples of {ALIGN} and 8")
         rows = op.shape("x")[0]
         op.expect_shape("x", (rows, k))
         op.expect_shape("out", (rows, n))
         for name in ("x", "weight", "out"):
             op.expect_dtype(name, DType.BF16)
-        if (prologue == "rmsnorm") != op.has("norm_weight"):
-            raise op.error("norm_weight is given exactly when prologue='rmsnorm'")
-        if op.has("norm_weight"):
-            op.expect_shape("norm_weight", (k,))
-            op.expect_dtype("norm_weight", DType.BF16)
         if op.has("residual"):
             if silu:
                 raise op.error("a residual is added only with epilogue 'none'")
             op.expect_shape("residual", (rows, n))
             op.expect_dtype("residual", DType.BF16)
-        if op.grid[1] != 1 or op.grid[2] != 1:
-            raise op.error(f"the grid cuts the outputs only: use grid (tasks,), got {op.grid}")
+        if op.grid[2] != 1:
+            raise op.error(f"the grid is (output ranges, row blocks), got {op.grid}")
         if op.axis_of("weight", len(wshape) - 2) != op.axis_of("out", 1):
             raise op.error("weight rows (dim -2) and out dim 1 must be split by the same axis")
-        op.expect_unsplit("x", 0, 1)
-        op.expect_unsplit("out", 0)
+        op.expect_unsplit("x", 1)
+        op.expect_same_split("x", 0, "out", 0)
+
+    def param_values(self, op: OpView) -> dict[str, int | float]:
+        wshape = op.shape("weight")
+        return {"rows": op.shape("x")[0], "row_blocks": op.grid[1], "k": wshape[-1],
+                "n": wshape[-2],
+                "tasks": op.grid[0], "silu": int(op.attrs["epilogue"] == "silu_mul"),
+                "has_residual": int(op.has("residual"))}
+
+    def scratch_bytes(self, op: OpView) -> int:
+        staged = STAGES * (BM + BN) * SMEM_ROW * 2
+        return max(staged, BM * (BN + 8) * 2)  # the epilogue's tile reuses the stages
 
     def reference(self, tile: Tile) -> None:
-        project(tile)
+        project(tile, tile["x"].float())
 
     def cost(self, op: OpView) -> TaskCost:
         wshape = op.shape("weight")
         n, k = wshape[-2], wshape[-1]
         mats = 2 if op.attrs["epilogue"] == "silu_mul" else 1
-        align = self.split_align(op, "weight") or ALIGN
-        lo, hi = split_bounds(n, op.grid[0], align, 0)
-        rows = op.shape("x")[0]
+        lo, hi = split_bounds(n, op.grid[0], ALIGN, 0)
+        rows = -(-op.shape("x")[0] // op.grid[1])
         return TaskCost(weight_bytes=2 * mats * (hi - lo) * k,
                         act_bytes=2 * rows * (k + 2 * (hi - lo)),
                         flops=2 * rows * mats * (hi - lo) * k)

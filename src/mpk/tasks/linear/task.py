@@ -224,7 +224,7 @@ class Linear(TaskKind):
         return x_bytes + PART_BYTES + extra + 2048
 
     def reference(self, tile: Tile) -> None:
-        project(tile)
+        project(tile, linear_input(tile))
         out = tile["out"]
         if tile.attr("epilogue") == "argmax":
             first = split_bounds(tile.op.shape("out")[1], tile.op.grid[0],
@@ -257,10 +257,10 @@ def _ranked(tile: Tile, values: torch.Tensor, first: int) -> torch.Tensor:
     return ranked
 
 
-def project(tile: Tile) -> None:
-    """out = epilogue(prologue(x) @ weight^T) for the none / silu_mul epilogues and the
-    residual (argmax ranks `out` afterwards): the arithmetic linear and gemm share."""
-    x = linear_input(tile)
+def project(tile: Tile, x: torch.Tensor) -> None:
+    """out = epilogue(x @ weight^T) for the none / silu_mul epilogues and the residual (argmax
+    ranks `out` afterwards), x the fp32 input rows after any prologue: the arithmetic linear and
+    gemm share."""
     w = tile["weight"]
     y = x @ w.reshape(-1, w.shape[-1]).float().T
     out = tile["out"]

@@ -1,13 +1,12 @@
 """take_row: out [1, H] = x[n - 1] for x [C, H] and chunk [1] i32 = n (clamped to [1, C]): the
 hidden state of a prefill chunk's last prompt position, which alone goes on to lm_head.
 
-Semantics only for now (the CPU interpreter); the CUDA kernel is not written (see tasks/gemm).
 """
 
 from __future__ import annotations
 
 from mpk.dtypes import DType
-from mpk.tasks.base import Access, OpView, OperandSpec, TaskCost, TaskKind, Tile
+from mpk.tasks.base import Access, OpView, OperandSpec, Param, TaskCost, TaskKind, Tile
 from mpk.tasks.registry import register
 
 
@@ -19,6 +18,7 @@ class TakeRow(TaskKind):
         OperandSpec("chunk", Access.READ),
         OperandSpec("out", Access.WRITE),
     )
+    params = (Param("rows"), Param("row_bytes"))
 
     def check(self, op: OpView) -> None:
         rows, hidden = op.shape("x")
@@ -28,6 +28,10 @@ class TakeRow(TaskKind):
         op.expect_dtype("out", op.tensors["x"].dtype)
         if op.num_tasks != 1:
             raise op.error(f"take_row runs as one task, got grid {op.grid}")
+
+    def param_values(self, op: OpView) -> dict[str, int | float]:
+        rows, hidden = op.shape("x")
+        return {"rows": rows, "row_bytes": hidden * op.tensors["x"].dtype.itemsize}
 
     def reference(self, tile: Tile) -> None:
         rows = tile["x"].shape[0]
