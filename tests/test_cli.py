@@ -73,8 +73,11 @@ def test_generate_feeds_a_long_prompt_on_the_prefill_plan(capsys: pytest.Capture
     ids = ",".join(str(i % 200 + 1) for i in range(40))
     base = ("generate", "--model", "tiny-llama", "--backend", "cpu", "--prompt-ids", ids,
             "--max-new-tokens", "4", "--json")
-    code, out, _ = run(capsys, *base)
+    code, out, _ = run(capsys, *base, "--prefill-chunk", "64")  # 40 > 64 / 2: a chunk
     chunked = json.loads(out)
+    code_rows, out, _ = run(capsys, *base)  # 40 <= 256 / 2: runs, as with no prefill plan
+    default = json.loads(out)
+    assert default["timings"]["steps"] == 3 + 3
     code_rows, out, _ = run(capsys, *base, "--prefill-chunk", "0")
     rows = json.loads(out)
     code_slow, out, _ = run(capsys, *base, "--prefill-chunk", "0", "--prefill-rows", "1")

@@ -223,6 +223,8 @@ def test_zero_max_tokens_and_stats() -> None:
     assert empty.result().token_ids == [] and ex.launches == [4, 3]
     stats = h.result().stats
     assert stats.ttft_s is not None and stats.ttft_s >= 0 and len(stats.inter_token_s) == 5
+    t = stats.token_times
+    assert stats.tpot_s == pytest.approx((t[-1] - t[0]) / 5)
     assert list(h) == h.result().token_ids  # the stream holds the same tokens
 
 
@@ -431,7 +433,7 @@ def make_chunked(slots: int, steps: int, chunk: int, pages: int = 200
     ex = FakeExecutor(slots, steps, pages)
     prefill = FakeChunkExecutor(chunk, ex.cache)
     sched = Scheduler(ex, PagePool(pages, PAGE), slots, MAX_PAGES, steps,
-                      chunk=lambda: (prefill, chunk))
+                      chunk=lambda: (prefill, chunk), chunk_size=chunk)
     return sched, ex, prefill
 
 
@@ -466,9 +468,27 @@ def test_prefill_launches_alternate_with_the_decoding_rows() -> None:
         before = (len(ex.launches), len(prefill.launches))
         sched.step()
         kinds.append("decode" if len(ex.launches) > before[0] else "prefill")
-    # 30 positions: 8 a prefill launch, and between them the request's own row of the
-    # decode launch feeds 4 more (one a step): 8 + 4 + 8 + 4 + 6
-    assert kinds[:5] == ["prefill", "decode", "prefill", "decode", "prefill"]
-    assert prefill.launches == [8, 8, 6]
+    # 30 positions, 8 a prefill launch while more than a launch's 4 steps are left; the decode
+    # launches between them leave the prompt alone (so it is cut as in its solo run): 8 + 8 +
+    # 8 + 6
+    assert kinds[:7] == ["prefill", "decode"] * 3 + ["prefill"]
+    assert prefill.launches == [8, 8, 8, 6]
     assert a.result().token_ids == solo([3, 1, 4], 40)
     assert b.result().token_ids == solo(long, 3)
+
+
+def test_a_prompt_is_cut_into_the_same_chunks_whatever_runs_beside_it() -> None:
+    """The chunk and decode launches round differently, so a request's tokens equal its solo
+    run's only if its prompt is fed the same way: chunks while more than a launch is left."""
+    long = [(7 * i + 1) % VOCAB for i in range(30)]
+    cuts = []
+    for others in (0, 3):
+        sched, ex, prefill = make_chunked(4, 4, 8)
+        for k in range(others):
+            sched.submit(RequestHandle([k + 1, 2, 3, 4][: k + 2], SamplingParams(max_tokens=9)))
+            sched.step()
+        b = sched.submit(RequestHandle(long, SamplingParams(max_tokens=3)))
+        drain(sched)
+        assert b.result().token_ids == solo(long, 3)
+        cuts.append(list(prefill.launches))
+    assert cuts == [[8, 8, 8, 6], [8, 8, 8, 6]]

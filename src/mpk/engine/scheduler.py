@@ -10,7 +10,10 @@ positions per step, so a long prompt is fed up to B tokens a step beside the dec
 run is cut to what fills the launch's steps). When the spare rows cannot feed every prompt
 within the launch and the engine has a wider plan on the same KV cache and page pool (its
 prefill plan, EngineConfig.prefill_rows), the launch runs there instead, with the same layout
-rules over its rows. A row alone is forced to its prompt token while inside the prompt and
+rules over its rows. With a prefill plan (EngineConfig.prefill_chunk = C), a request with more
+than C / 2 of its prompt left (and more than a launch's steps) is fed C positions a launch there
+instead, alternating with the other requests' launches, and is left out of theirs meanwhile.
+A row alone is forced to its prompt token while inside the prompt and
 embeds its own previous token after it; a request's first row in a launch is forced to its last
 token, so a request may change rows between launches. A request's j-th token comes from the
 step at its position len(prompt) - 1 + j. An unused row runs on a page table of NO_PAGE
@@ -100,18 +103,19 @@ class Scheduler:
                  steps_per_launch: int, eos_token_ids: Iterable[int] = (),
                  detokenize: Detokenize | None = None, sampling: bool = True,
                  runs: bool = True, wide: WidePlan | None = None,
-                 chunk: ChunkPlan | None = None) -> None:
+                 chunk: ChunkPlan | None = None, chunk_size: int = 0) -> None:
         """`sampling`, `runs`: the plan has the SAMPLING / RUNS input (every model plan does;
         test doubles of an executor may not). Without RUNS every request holds one row.
         `wide`: a plan of more rows on the same KV cache; a launch in which some prompt would
         not be fed within its steps runs there, its extra rows feeding prompts. `chunk`: a
-        prefill plan on the same KV cache; such a prompt is then fed C positions a launch
-        there, alternating with the launches of the other requests."""
+        prefill plan on the same KV cache, of `chunk_size` (C) positions: a prompt longer than
+        C / 2 is then fed C positions a launch there, alternating with the launches of the
+        other requests."""
         self.executor, self.pool = executor, pool
         self.sampling, self.runs = sampling, runs
         self._wide_plan = wide if runs else None
         self._wide: tuple[Executor, int] | None = None
-        self._chunk_plan = chunk
+        self._chunk_plan, self._chunk_size = chunk, chunk_size
         self._chunk: tuple[Executor, int] | None = None
         self._last_was_chunk = False
         self.slots, self.max_pages, self.steps_per_launch = slots, max_pages, steps_per_launch
@@ -153,7 +157,7 @@ class Scheduler:
         if not self.running:
             return 0
         n = min(self.steps_per_launch, max(r.steps_left for r in self.running))
-        chunked = self._chunk_candidate(n)
+        chunked = self._chunk_candidate()
         self._last_was_chunk = chunked is not None
         if chunked is not None:
             return self._chunk_launch(chunked)
@@ -227,12 +231,20 @@ class Scheduler:
                 self.running.append(_Running(handle, pages, stop_ids=stop_ids,
                                              sampling_words=sampling_words(params)))
 
-    def _chunk_candidate(self, n: int) -> _Running | None:
-        """The oldest request whose prompt would not be fed within n steps, when there is a
-        prefill plan and it is the prefill's turn (after a chunk, the others get a launch)."""
+    def _chunked(self, run: _Running) -> bool:
+        """Whether `run`'s prompt goes on through the prefill plan: while more of it is left
+        than half a chunk (a chunk launch costs the same however few of its rows are prompt,
+        and runs one request) and than one launch's steps. The rule depends on the request
+        alone, so its prompt is cut into the same chunks whatever else runs (its tokens equal
+        its solo run's: the chunk and the decode launches round differently)."""
         if self._chunk_plan is None:
-            return None
-        needy = [r for r in self.running if r.prompt_left > n]
+            return False
+        return run.prompt_left > max(self.steps_per_launch, self._chunk_size // 2)
+
+    def _chunk_candidate(self) -> _Running | None:
+        """The oldest request whose prompt goes through the prefill plan, when it is the
+        prefill's turn (after a chunk, the others get a launch)."""
+        needy = [r for r in self.running if self._chunked(r)]
         if not needy or (self._last_was_chunk and len(needy) < len(self.running)):
             return None
         return needy[0]
@@ -282,22 +294,24 @@ class Scheduler:
         return self.executor, self.slots
 
     def _layout(self, n: int, rows: int) -> list[_Rows]:
-        """One row per running request; the spare rows, oldest request first, widen the
-        requests whose prompt would not be fed within n steps into runs that feed it in n;
-        rows still spare widen those runs further (so the launch can end sooner)."""
-        widths = [1] * len(self.running)
-        spare = rows - len(self.running) if self.runs else 0
-        needy = [k for k, run in enumerate(self.running) if run.prompt_left > n]
+        """One row per running request (but those whose prompt goes through the prefill plan);
+        the spare rows, oldest request first, widen the requests whose prompt would not be fed
+        within n steps into runs that feed it in n; rows still spare widen those runs further
+        (so the launch can end sooner)."""
+        running = [run for run in self.running if not self._chunked(run)]
+        widths = [1] * len(running)
+        spare = rows - len(running) if self.runs else 0
+        needy = [k for k, run in enumerate(running) if run.prompt_left > n]
         for k in needy:  # enough rows to feed the prompt within n steps
-            grow = min(spare, -(-self.running[k].prompt_left // n) - 1)
+            grow = min(spare, -(-running[k].prompt_left // n) - 1)
             widths[k] += grow
             spare -= grow
         for k in needy:  # then what is left, up to one row per prompt position
-            grow = min(spare, self.running[k].prompt_left - widths[k])
+            grow = min(spare, running[k].prompt_left - widths[k])
             widths[k] += grow
             spare -= grow
         layout, first = [], 0
-        for run, width in zip(self.running, widths):
+        for run, width in zip(running, widths):
             layout.append(_Rows(run, first, width))
             first += width
         return layout
