@@ -11,10 +11,12 @@
 #   bash scripts/gpu_check.sh runs         the fifth session's unrun CUDA (attention's run rows,
 #                                          sampling positions): its kernel tests, the engine's runs
 #                                          against the reference, then qwen3-0.6b b1 (must stay 1.13)
-#   bash scripts/gpu_check.sh prefill      mpk bench --prefill (TTFT of one long prompt fed as a
-#                                          run of 16 rows vs torch cuBLAS + SDPA) on qwen3-0.6b and
-#                                          qwen3-8b (PREFILL, default 2048), then the serving bench
-#                                          with long prompts (64-1024 tokens) on qwen3-0.6b
+#   bash scripts/gpu_check.sh prefill      the prefill plan's kernel and engine tests, then mpk
+#                                          bench --prefill (TTFT of one long prompt through the
+#                                          prefill plan, CHUNKS positions a launch, vs torch cuBLAS
+#                                          + SDPA) on qwen3-0.6b and qwen3-8b (PREFILL, default
+#                                          2048), then the serving bench with long prompts
+#                                          (64-1024 tokens) on qwen3-0.6b
 #   bash scripts/gpu_check.sh serve        mpk bench --serving (engine: 16 slots vs one request,
 #                                          outputs equal solo runs) on qwen3-0.6b and qwen3-8b, then
 #                                          scripts/bench_serve.py against `mpk serve --backend cuda`
@@ -123,9 +125,13 @@ case $mode in
     step bench-qwen3-0.6b-b1 120 python3 -m mpk bench --model qwen3-0.6b --new-tokens 100
     ;;
   prefill)
+    step kernels_prefill 150 $PYTEST tests/gpu/test_kernels_prefill.py || exit $status
+    step model_prefill 300 $PYTEST --timeout 280 tests/gpu/test_model_gpu.py -k prefill_plan
     for model in qwen3-0.6b qwen3-8b; do
-      step "prefill-$model" 200 python3 -m mpk bench --prefill "${PREFILL:-2048}" \
-        --model "$model" --max-batch 16 --json
+      for chunk in ${CHUNKS:-256 1024}; do
+        step "prefill-$model-c$chunk" 200 python3 -m mpk bench --prefill "${PREFILL:-2048}" \
+          --model "$model" --max-batch 16 --prefill-chunk "$chunk" --json
+      done
     done
     step bench-serving-long 200 python3 -m mpk bench --serving --model qwen3-0.6b \
       --requests 32 --max-batch 16 --prompt-len 64:1024 --json

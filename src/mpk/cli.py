@@ -250,8 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serving slots: one compiled plan of B rows (default: 16; also the "
                         "rows --prefill feeds a prompt with)")
     s.add_argument("--prefill", type=_positive, default=None, metavar="P",
-                   help="instead: time to first token of one P-token prompt fed as a run of "
-                        "every row, against torch (cuBLAS + SDPA) prefilling it in one call")
+                   help="instead: time to first token of one P-token prompt (fed by the "
+                        "prefill plan, or as a run of every row), against torch (cuBLAS + "
+                        "SDPA) prefilling it in one call")
+    from mpk.server.options import add_prefill_chunk_argument
+
+    add_prefill_chunk_argument(s)
     _add_backend_arg(s)
 
     pr = command("profile", "Profile one launch on the GPU: a Perfetto trace (one track per SM), "

@@ -66,7 +66,7 @@ def _bench_serving(args: argparse.Namespace, backend: str) -> int:
     steps = EngineConfig().steps_per_launch
     engine = Engine(cfg, source.load(get_backend(backend).device_type), backend=backend,
                     max_seq_len=positions_needed(trace, steps), steps_per_launch=steps,
-                    progress=False if args.json else None)
+                    prefill_chunk=args.prefill_chunk, progress=False if args.json else None)
     result = {"model": args.checkpoint or args.model, "backend": backend,
               "random_weights": source.checkpoint is None,
               **run_serving_bench(engine, trace, args.max_batch)}
@@ -91,9 +91,11 @@ def _bench_prefill(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     prompt = [rng.randrange(cfg.vocab_size) for _ in range(args.prefill)]
     max_seq = args.prefill + 16
-    # The prompt runs on exactly --max-batch rows (no wider prefill plan).
+    # The prompt runs through the prefill plan (--prefill-chunk positions a launch), or with
+    # --prefill-chunk 0 on exactly --max-batch rows (no wider plan).
     engine = Engine(cfg, weights, backend="cuda", max_seq_len=max_seq,
-                    prefill_rows=args.max_batch, progress=False if args.json else None)
+                    prefill_rows=args.max_batch, prefill_chunk=args.prefill_chunk,
+                    progress=False if args.json else None)
     model = StaticDecoder(cfg, weights, max_seq)
     result = {"model": args.checkpoint or args.model, "random_weights": source.checkpoint is None,
               **run_prefill_bench(engine, model, prompt, args.max_batch)}

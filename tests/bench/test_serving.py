@@ -34,6 +34,7 @@ def test_concurrent_requests_equal_their_solo_runs() -> None:
     assert result["output_tokens"] == sum(trace.max_tokens)  # no EOS ids: full lengths
     assert result["single_request_tokens_per_s"] > 0 and result["output_tokens_per_s"] > 0
     assert result["ttft"]["p50_ms"] <= result["ttft"]["p99_ms"]
+    assert 0 < result["tpot"]["p50_ms"] <= result["tpot"]["p99_ms"]
 
 
 def test_the_cli_serving_mode(capsys: pytest.CaptureFixture[str]) -> None:

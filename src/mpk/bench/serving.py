@@ -9,7 +9,9 @@ Over one started engine (one compiled plan of `max_batch` rows):
               single-request decode rate (tokens after the first / time from the first token to
               the last; a launch's tokens arrive together, so the rate needs several launches);
   solo        each request alone (the other slots empty): its tokens;
-  concurrent  the trace replayed at its arrival times: per-request TTFT and inter-token gaps,
+  concurrent  the trace replayed at its arrival times: per-request TTFT, time per output token
+              after the first (TPOT) and the gaps between token deliveries (zero inside a
+              launch, whose tokens arrive together),
               the total output tokens/s over the run, and whether every request's tokens equal
               its solo run's (a row's arithmetic does not depend on the rows beside it, so they
               must be identical, not merely close).
@@ -108,7 +110,9 @@ def run_serving_bench(engine: Engine, trace: Trace, max_batch: int) -> dict[str,
     engine.start(max_batch=max_batch)
     try:
         tokens = RATE_LAUNCHES * engine.options.steps_per_launch
-        single = _solo(engine, Trace(trace.prompts[:1], (tokens,), (0.0,)))[0]  # warms up too
+        probe = Trace(trace.prompts[:1], (tokens,), (0.0,))
+        _solo(engine, probe)  # warm-up: first launches of each plan, clocks
+        single = _solo(engine, probe)[0]
         solo = _solo(engine, trace)
         concurrent, wall_s = _concurrent(engine, trace)
     finally:
@@ -128,6 +132,7 @@ def run_serving_bench(engine: Engine, trace: Trace, max_batch: int) -> dict[str,
         "speedup_over_single": (None if rate is None or not solo_rate
                                 else round(rate / solo_rate, 2)),
         "ttft": _percentiles([s.ttft_s for s in stats if s.ttft_s is not None]),
+        "tpot": _percentiles([s.tpot_s for s in stats if s.tpot_s is not None]),
         "inter_token": _percentiles([g for s in stats for g in s.inter_token_s]),
         "outputs_equal_solo": not mismatched, "mismatched_requests": mismatched,
     }
@@ -135,7 +140,7 @@ def run_serving_bench(engine: Engine, trace: Trace, max_batch: int) -> dict[str,
 
 def format_report(result: dict[str, Any]) -> list[str]:
     """Human-readable lines of a run_serving_bench result."""
-    ttft, itl = result["ttft"], result["inter_token"]
+    ttft, tpot, itl = result["ttft"], result["tpot"], result["inter_token"]
     same = ("every request's tokens equal its solo run" if result["outputs_equal_solo"] else
             f"{len(result['mismatched_requests'])} requests differ from their solo run: "
             f"{result['mismatched_requests'][:8]}")
@@ -146,7 +151,8 @@ def format_report(result: dict[str, Any]) -> list[str]:
         f"output tokens/s: {result['output_tokens_per_s']} concurrent, "
         f"{result['single_request_tokens_per_s']} decoding one request alone "
         f"(x{result['speedup_over_single']})",
-        f"TTFT p50 {ttft['p50_ms']} ms, p99 {ttft['p99_ms']} ms; inter-token p50 "
+        f"TTFT p50 {ttft['p50_ms']} ms, p99 {ttft['p99_ms']} ms; time per output token p50 "
+        f"{tpot['p50_ms']} ms, p99 {tpot['p99_ms']} ms; gaps between deliveries p50 "
         f"{itl['p50_ms']} ms, p99 {itl['p99_ms']} ms",
         same,
     ]

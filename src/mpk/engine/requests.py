@@ -101,8 +101,16 @@ class RequestStats:
 
     @property
     def inter_token_s(self) -> list[float]:
-        """The gaps between consecutive tokens."""
+        """The gaps between consecutive tokens as they reached the handle (a launch's tokens
+        arrive together: zero gaps inside a launch, a launch's time between them)."""
         return [b - a for a, b in itertools.pairwise(self.token_times)]
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: (last - first) / (tokens - 1)."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
 
 
 @dataclass(frozen=True)

@@ -95,10 +95,16 @@ def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
                         "plan has); with more rows than the batch it is a second plan on the "
                         "same KV cache, built for prompts longer than a launch; 1: one position "
                         "a step")
+    add_prefill_chunk_argument(p)
+
+
+def add_prefill_chunk_argument(p: argparse.ArgumentParser) -> None:
+    """--prefill-chunk (mpk bench takes it alone: its --max-batch sets the rows)."""
     p.add_argument("--prefill-chunk", type=int, default=256, metavar="C",
-                   help="prompt positions per launch of the prefill plan, on backends that run "
-                        "one (today the CPU interpreter; default: 256); 0: none, prompts go in "
-                        "as runs of --prefill-rows")
+                   help="prompt positions per launch of the prefill plan, where the backend "
+                        "runs one (the CPU interpreter; CUDA for dense models with head dims "
+                        "up to 128; default: 256); 0: none, prompts go in as runs of the "
+                        "decode batch")
 
 
 def options_from_args(args: argparse.Namespace, backend: str) -> ServeOptions:
