@@ -20,7 +20,8 @@ from mpk.check import (
     slice_config,
     token_row,
 )
-from mpk.cli import _check_layers, main
+from mpk.cli import main
+from mpk.cli_commands import _check_layers
 from mpk.compiler.plan import Plan
 from mpk.errors import UnsupportedError
 from mpk.models.config import get_preset
