@@ -136,6 +136,9 @@ def test_which_backends_and_models_take_prefill_plans() -> None:
     # attention_prefill's CUDA tile holds head dims up to 128 in registers
     wide_heads = dataclasses.replace(get_preset("tiny-llama"), head_dim=256)
     assert supports_prefill(wide_heads, "cpu") and not supports_prefill(wide_heads, "cuda")
+    # the gemm kind's rows are whole 16-byte groups: other widths feed prompts as runs
+    odd = dataclasses.replace(get_preset("tiny-llama"), intermediate_size=164)
+    assert not supports_prefill(odd, "cpu") and not supports_prefill(odd, "cuda")
 
 
 def test_chunks_of_two_query_blocks_match_the_reference() -> None:

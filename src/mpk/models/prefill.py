@@ -26,6 +26,7 @@ from mpk.models import decode_io as io
 from mpk.models.builder import choose_split, lm_head
 from mpk.models.config import ModelConfig
 from mpk.tasks.attention_prefill.task import CUDA_MAX_HEAD_DIM
+from mpk.tasks.gemm.task import ALIGN as GEMM_ALIGN
 from mpk.tensors import Role
 
 BF16, F32, I32 = DType.BF16, DType.F32, DType.I32
@@ -52,8 +53,12 @@ class PrefillShape:
 
 
 def supports_prefill(cfg: ModelConfig, backend: str) -> bool:
-    """Whether `backend` runs prefill plans of `cfg` (dense models; kinds with kernels)."""
-    if cfg.is_moe:
+    """Whether `backend` runs prefill plans of `cfg`: dense models whose projections' sizes
+    are multiples of 8 (the gemm kind's 16-byte rows and output ranges), on kinds with kernels.
+    Other models feed prompts as runs of the decode batch."""
+    width = cfg.num_kv_heads * (cfg.group + 2) * cfg.head_dim
+    sizes = (cfg.hidden_size, cfg.intermediate_size, width, cfg.num_heads * cfg.head_dim)
+    if cfg.is_moe or any(size % GEMM_ALIGN for size in sizes):
         return False
     if backend == "cpu":
         return True
