@@ -7,6 +7,8 @@
 #   bash scripts/gpu_check.sh probe        scripts/probe_stream.py: the weight-page pipeline alone
 #                                          (GB/s per SM by page count, page size, L2 vs HBM, ...),
 #                                          then probe_phases.py (a linear task's phases, ablations)
+#   bash scripts/gpu_check.sh wgmma        scripts/wgmma_gemm_probe.cu: the prefill GEMM tile on
+#                                          warpgroup MMAs alone (correct? TFLOP/s?), before a port
 #   bash scripts/gpu_check.sh tp           tensor parallelism (needs >= 2 GPUs: nvidia-h200-x2+)
 #   bash scripts/gpu_check.sh runs         the fifth session's unrun CUDA (attention's run rows,
 #                                          sampling positions): its kernel tests, the engine's runs
@@ -101,6 +103,11 @@ case $mode in
     step probe_stream 200 python3 scripts/probe_stream.py --json
     step probe_phases 300 python3 scripts/probe_phases.py --json
     ;;
+  wgmma)
+    step wgmma_build 120 nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a \
+      scripts/wgmma_gemm_probe.cu -o /tmp/wgmma_probe || exit $status
+    step wgmma_probe 120 /tmp/wgmma_probe
+    ;;
   tp)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     step tp_tests 300 $PYTEST --timeout 300 tests/gpu/test_tp_gpu.py tests/parallel
@@ -136,7 +143,7 @@ case $mode in
     step bench-serving-long 200 python3 -m mpk bench --serving --model qwen3-0.6b \
       --requests 32 --max-batch 16 --prompt-len 64:1024 --json
     ;;
-  *) echo "unknown mode $mode (use correctness, real, perf, probe, tp, serve, runs or prefill)"
+  *) echo "unknown mode $mode (use correctness, real, perf, probe, wgmma, tp, serve, runs or prefill)"
      exit 2 ;;
 esac
 exit $status
