@@ -492,3 +492,29 @@ def test_a_prompt_is_cut_into_the_same_chunks_whatever_runs_beside_it() -> None:
         assert b.result().token_ids == solo(long, 3)
         cuts.append(list(prefill.launches))
     assert cuts == [[8, 8, 8, 6], [8, 8, 8, 6]]
+
+
+def test_a_prompt_being_chunked_does_not_send_the_others_to_the_wide_plan() -> None:
+    """With both a prefill plan and a wide plan: the decode launches between chunks hold only
+    the decoding request, which fits the slots' own plan (a review found them on the 12-row
+    plan, because the chunked prompt was counted as needing rows)."""
+    pool = PagePool(200, PAGE)
+    narrow, wide = FakeExecutor(2, 4, 200), FakeExecutor(12, 4, 200)
+    wide.cache = narrow.cache
+    prefill = FakeChunkExecutor(8, narrow.cache)
+    sched = Scheduler(narrow, pool, 2, MAX_PAGES, 4, wide=lambda: (wide, 12),
+                      chunk=lambda: (prefill, 8), chunk_size=8)
+    a = sched.submit(RequestHandle([3, 1, 4], SamplingParams(max_tokens=40)))
+    sched.step()
+    long = [(5 * i + 2) % VOCAB for i in range(30)]
+    b = sched.submit(RequestHandle(long, SamplingParams(max_tokens=3)))
+    drain(sched)
+    assert prefill.launches == [8, 8, 8, 6] and not wide.launches
+    assert a.result().token_ids == solo([3, 1, 4], 40)
+    assert b.result().token_ids == solo(long, 3)
+
+
+def test_a_prefill_plan_needs_its_chunk_size() -> None:
+    ex = FakeExecutor(2, 4, 64)
+    with pytest.raises(ValueError, match="chunk_size"):
+        Scheduler(ex, PagePool(64, PAGE), 2, MAX_PAGES, 4, chunk=lambda: (ex, 8))

@@ -115,6 +115,8 @@ class Scheduler:
         self.sampling, self.runs = sampling, runs
         self._wide_plan = wide if runs else None
         self._wide: tuple[Executor, int] | None = None
+        if chunk is not None and chunk_size <= 0:
+            raise ValueError("a prefill plan needs its chunk_size (positions per launch)")
         self._chunk_plan, self._chunk_size = chunk, chunk_size
         self._chunk: tuple[Executor, int] | None = None
         self._last_was_chunk = False
@@ -156,11 +158,11 @@ class Scheduler:
         self._admit()
         if not self.running:
             return 0
-        n = min(self.steps_per_launch, max(r.steps_left for r in self.running))
         chunked = self._chunk_candidate()
         self._last_was_chunk = chunked is not None
         if chunked is not None:
             return self._chunk_launch(chunked)
+        n = min(self.steps_per_launch, max(r.steps_left for r in self._decoding()))
         executor, rows = self._plan_for(n)
         layout = self._layout(n, rows)
         # A run stops being useful once its prompt is fed: no longer launch than the rows need.
@@ -236,10 +238,16 @@ class Scheduler:
         than half a chunk (a chunk launch costs the same however few of its rows are prompt,
         and runs one request) and than one launch's steps. The rule depends on the request
         alone, so its prompt is cut into the same chunks whatever else runs (its tokens equal
-        its solo run's: the chunk and the decode launches round differently)."""
+        its solo run's: the chunk and the decode launches round differently). The tail goes as
+        runs, whose width does depend on the neighbours; on the GPU a row's arithmetic is the
+        same in a run of any width of one plan, on the interpreter only up to rounding."""
         if self._chunk_plan is None:
             return False
         return run.prompt_left > max(self.steps_per_launch, self._chunk_size // 2)
+
+    def _decoding(self) -> list[_Running]:
+        """The running requests a decode launch takes (every one, but those being chunked)."""
+        return [run for run in self.running if not self._chunked(run)]
 
     def _chunk_candidate(self) -> _Running | None:
         """The oldest request whose prompt goes through the prefill plan, when it is the
@@ -284,8 +292,9 @@ class Scheduler:
         """The executor of this launch and its rows: the wide plan when a prompt would not be
         fed within n steps on the slots' spare rows, else the slots' own plan."""
         if self._wide_plan is not None:
-            spare = self.slots - len(self.running)
-            needs = sum(-(-r.prompt_left // n) - 1 for r in self.running if r.prompt_left > n)
+            decoding = self._decoding()
+            spare = self.slots - len(decoding)
+            needs = sum(-(-r.prompt_left // n) - 1 for r in decoding if r.prompt_left > n)
             if needs > spare:
                 if self._wide is None:
                     self._wide = self._wide_plan()
@@ -298,7 +307,7 @@ class Scheduler:
         the spare rows, oldest request first, widen the requests whose prompt would not be fed
         within n steps into runs that feed it in n; rows still spare widen those runs further
         (so the launch can end sooner)."""
-        running = [run for run in self.running if not self._chunked(run)]
+        running = self._decoding()
         widths = [1] * len(running)
         spare = rows - len(running) if self.runs else 0
         needy = [k for k, run in enumerate(running) if run.prompt_left > n]
