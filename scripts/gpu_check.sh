@@ -143,7 +143,8 @@ case $mode in
     step bench-serving-long 200 python3 -m mpk bench --serving --model qwen3-0.6b \
       --requests 32 --max-batch 16 --prompt-len 64:1024 --json
     ;;
-  *) echo "unknown mode $mode (use correctness, real, perf, probe, wgmma, tp, serve, runs or prefill)"
+  *) echo "unknown mode $mode (use correctness, real, perf, probe, wgmma, tp, serve, runs or" \
+       "prefill)"
      exit 2 ;;
 esac
 exit $status

@@ -154,8 +154,8 @@ __global__ void gemm_naive(const __nv_bfloat16* A, const __nv_bfloat16* B, float
   if (col >= N) return;
   float s = 0.f;
   for (int k = 0; k < K; ++k)
-    s = fmaf(__bfloat162float(A[(long long)row * K + k]), __bfloat162float(B[(long long)col * K + k]),
-             s);
+    s = fmaf(__bfloat162float(A[(long long)row * K + k]),
+             __bfloat162float(B[(long long)col * K + k]), s);
   C[(long long)row * N + col] = s;
 }
 

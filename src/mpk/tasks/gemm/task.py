@@ -8,9 +8,9 @@ so M is not bounded by the decode kernel's 16 rows. The input norm is a separate
 
 Grid (T, R): axis 0 cuts the N outputs into T contiguous ranges (split_bounds, multiples of 8;
 with silu_mul, N is the intermediate size and a range covers the same rows of the gate and the
-up matrix); axis 1 cuts the M rows of x, out and residual into R blocks the same way. The CUDA kernel
-(sm90.cuh) computes tiles of 128 rows x 128 weight rows on tensor cores, reading both operands
-through L2 with cp.async (the weights of a range are read once per row block).
+up matrix); axis 1 cuts the M rows of x, out and residual into R blocks the same way. The CUDA
+kernel (sm90.cuh) computes tiles of 128 rows x 128 weight rows on tensor cores, reading both
+operands through L2 with cp.async (the weights of a range are read once per row block).
 """
 
 from __future__ import annotations
