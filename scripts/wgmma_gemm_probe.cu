@@ -4,9 +4,13 @@
 // Why: tasks/gemm/sm90.cuh runs mma.sync tiles at ~195 TFLOP/s inside the megakernel
 // (perf-log, sixth session); cuBLAS reaches ~2-3x that with warpgroup MMAs. This is the tile a
 // wgmma gemm kind would run, in the megakernel's shape: 256 threads (its consumer warps, two
-// warpgroups), 128 x 128 outputs per CTA, K in steps of 64 through a 3-stage cp.async ring into
-// 128-byte-swizzled shared memory, each warpgroup one m64n128k16 wgmma per 16 k. Run it before
-// porting: the descriptor and fragment layouts below are from the PTX ISA, not yet seen on a GPU.
+// warpgroups), 128 x 128 outputs per CTA, K in steps of 64 through a cp.async ring into
+// 128-byte-swizzled shared memory, each warpgroup one m64n128k16 wgmma per 16 k. Two pipelines:
+//   stages 3, keep 0  tasks/gemm/sm90.cuh's: a k tile's MMAs are issued, then the copies of the
+//                     tile two ahead, then the MMAs are waited for (272-309 TFLOP/s alone on
+//                     the H200 in the seventh session, with the copies issued first);
+//   stages S, keep 1  the MMAs of one tile stay in flight while the next tile's are issued (the
+//                     copies run S - 2 tiles ahead): the tensor pipe need not drain per tile.
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a scripts/wgmma_gemm_probe.cu \
 //     -o /tmp/wgmma_probe
@@ -20,12 +24,14 @@
 #include <cstdio>
 #include <vector>
 
+#include "../src/mpk/tasks/common/wgmma.cuh"  // the descriptor, swizzle and MMA of tasks/gemm
+
 namespace {
 
-constexpr int BM = 128, BN = 128, BK = 64, STAGES = 3, THREADS = 256;
+constexpr int BM = 128, BN = 128, BK = 64, THREADS = 256;
 constexpr int TILE_BYTES = 128 * 128;              // 128 rows x 64 bf16 (128 B), swizzled
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;        // A then B
-constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;  // + alignment to 1024 (the swizzle atom)
+constexpr int smem_bytes(int stages) { return stages * STAGE_BYTES + 1024; }  // + 1024-alignment
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -38,54 +44,6 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
                : "memory");
 }
 
-// Byte offset of 16-byte chunk c (0..7) of row r in a 128-byte-swizzled K-major tile: the chunk
-// index is XORed with the row's place in its 8-row (1024-byte) group.
-__device__ __forceinline__ uint32_t swizzled(int r, int c) {
-  return (uint32_t)(r * 128 + ((c ^ (r & 7)) << 4));
-}
-
-// Shared-memory matrix descriptor of a K-major, 128-byte-swizzled operand starting at `addr`
-// (1024-aligned for the tile, + 32 bytes per 16 k inside it): start address >> 4 (bits 0-13),
-// leading-dimension offset unused for this layout (1), stride between 8-row groups 1024 B >> 4
-// (bits 32-45), swizzle mode 1 = 128 B (bits 62-63).
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
-  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) |
-         ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_wait0() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-}
-
-// d[64] += A (64 x 16, desc a) . B (128 x 16, desc b)^T, both K-major (no transpose).
-__device__ __forceinline__ void wgmma_m64n128k16(float* d, uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,"
-      "%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,"
-      "%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
-      "%64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
-        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
-        "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
-        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
-        "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
-        "+f"(d[62]), "+f"(d[63])
-      : "l"(a), "l"(b));
-}
-
 __device__ __forceinline__ void load_stage(uint32_t stage, const __nv_bfloat16* A,
                                            const __nv_bfloat16* B, int M, int N, int K, int m0,
                                            int n0, int k0) {
@@ -94,15 +52,19 @@ __device__ __forceinline__ void load_stage(uint32_t stage, const __nv_bfloat16* 
     const int row = (which == 0 ? m0 : n0) + r, rows = which == 0 ? M : N;
     const __nv_bfloat16* base = which == 0 ? A : B;
     const bool ok = row < rows && k < K;
-    cp_async16(stage + which * TILE_BYTES + swizzled(r, c),
+    cp_async16(stage + which * TILE_BYTES + mpk::dev::sw128_offset(r, c),
                ok ? base + (long long)row * K + k : base, ok);
   }
 }
 
 // One CTA: outputs [m0, m0 + 128) x [n0, n0 + 128); warpgroup w computes rows m0 + 64w ...
+// STAGES slots; KEEP wgmma groups (0 or 1) may stay in flight past a tile.
+template <int STAGES, int KEEP>
 __global__ void __launch_bounds__(THREADS) gemm_wgmma(const __nv_bfloat16* A,
                                                       const __nv_bfloat16* B, float* C, int M,
                                                       int N, int K) {
+  static_assert(KEEP == 0 || KEEP == 1, "one tile's MMAs in flight at most");
+  constexpr int AHEAD = STAGES - 1 - KEEP;  // tiles copied ahead of the one multiplied
   extern __shared__ __align__(1024) unsigned char raw[];
   const uint32_t smem = (smem_u32(raw) + 1023u) & ~1023u;
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
@@ -112,28 +74,31 @@ __global__ void __launch_bounds__(THREADS) gemm_wgmma(const __nv_bfloat16* A,
   for (int i = 0; i < 64; ++i) d[i] = 0.f;
   const int nk = (K + BK - 1) / BK;
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
+  for (int s = 0; s < AHEAD; ++s) {
     if (s < nk) load_stage(smem + s * STAGE_BYTES, A, B, M, N, K, m0, n0, s * BK);
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
   for (int kt = 0; kt < nk; ++kt) {
-    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
-    // cp.async writes are generic-proxy writes; wgmma reads through the async proxy.
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncthreads();  // every thread's copies of stage kt landed; stage kt-1 is free
-    const int next = kt + STAGES - 1;
+    asm volatile("cp.async.wait_group %0;" ::"n"(AHEAD - 1) : "memory");
+    mpk::dev::fence_proxy_async_shared();  // cp.async writes -> wgmma's (async proxy) reads
+    // Every thread's copies of tile kt landed; both warpgroups' MMAs of tile kt - 1 - KEEP are
+    // done, so its slot, (kt + AHEAD) % STAGES, may be overwritten.
+    __syncthreads();
+    const uint32_t stage = smem + (kt % STAGES) * STAGE_BYTES;
+    const uint32_t a = stage + wg * 64 * 128, b = stage + TILE_BYTES;
+    mpk::dev::wgmma_fence();
+#pragma unroll
+    for (int k16 = 0; k16 < BK / 16; ++k16)
+      mpk::dev::wgmma_m64n128k16_bf16(d, mpk::dev::sw128_desc(a + 32 * k16),
+                                      mpk::dev::sw128_desc(b + 32 * k16));
+    mpk::dev::wgmma_commit();
+    const int next = kt + AHEAD;
     if (next < nk)
       load_stage(smem + (next % STAGES) * STAGE_BYTES, A, B, M, N, K, m0, n0, next * BK);
     asm volatile("cp.async.commit_group;" ::: "memory");
-    const uint32_t stage = smem + (kt % STAGES) * STAGE_BYTES;
-    const uint32_t a = stage + wg * 64 * 128, b = stage + TILE_BYTES;
-    wgmma_fence();
-#pragma unroll
-    for (int k16 = 0; k16 < BK / 16; ++k16)
-      wgmma_m64n128k16(d, sw128_desc(a + 32 * k16), sw128_desc(b + 32 * k16));
-    wgmma_commit();
-    wgmma_wait0();  // the slot is overwritten two iterations on: no MMA may still read it
+    mpk::dev::wgmma_wait<KEEP>();  // before the barrier that frees a slot for the copies
   }
+  mpk::dev::wgmma_wait_all();
   // Fragment layout (as mma.sync's C per n8 tile): d[4i + 0, 1] = row 16 warp + g, columns
   // 8i + 2t, + 1; d[4i + 2, 3] = row + 8; g = lane / 4, t = lane % 4.
   const int g = lane / 4, t = lane % 4;
@@ -159,7 +124,12 @@ __global__ void gemm_naive(const __nv_bfloat16* A, const __nv_bfloat16* B, float
   C[(long long)row * N + col] = s;
 }
 
+// One CTA per SM as in the megakernel: each asks for more than half of an SM's shared memory.
+constexpr int ONE_CTA_PER_SM = 116 * 1024;
+
+template <int STAGES, int KEEP>
 int check(int M, int N, int K) {
+  const int smem = std::max(smem_bytes(STAGES), ONE_CTA_PER_SM);
   if (K % 8) {  // the 16-byte copies need whole 8-element groups of k (as tasks/gemm checks)
     printf("{\"M\": %d, \"N\": %d, \"K\": %d, \"ok\": false, \"why\": \"K %% 8\"}\n", M, N, K);
     return 1;
@@ -178,9 +148,10 @@ int check(int M, int N, int K) {
   cudaMemcpy(a, ha.data(), ha.size() * 2, cudaMemcpyHostToDevice);
   cudaMemcpy(b, hb.data(), hb.size() * 2, cudaMemcpyHostToDevice);
   cudaMemset(c, 0xff, (size_t)M * N * 4);  // NaN poison: an unwritten output shows
-  cudaFuncSetAttribute(gemm_wgmma, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+  auto kernel = gemm_wgmma<STAGES, KEEP>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const dim3 grid((N + BN - 1) / BN, (M + BM - 1) / BM);
-  gemm_wgmma<<<grid, THREADS, SMEM_BYTES>>>(a, b, c, M, N, K);
+  kernel<<<grid, THREADS, smem>>>(a, b, c, M, N, K);
   gemm_naive<<<dim3((N + 127) / 128, M), 128>>>(a, b, ref, M, N, K);
   cudaError_t err = cudaDeviceSynchronize();
   std::vector<float> hc((size_t)M * N), hr((size_t)M * N);
@@ -200,7 +171,7 @@ int check(int M, int N, int K) {
   cudaEventCreate(&e1);
   for (int i = 0; i < 23; ++i) {
     cudaEventRecord(e0);
-    gemm_wgmma<<<grid, THREADS, SMEM_BYTES>>>(a, b, c, M, N, K);
+    kernel<<<grid, THREADS, smem>>>(a, b, c, M, N, K);
     cudaEventRecord(e1);
     cudaEventSynchronize(e1);
     float t;
@@ -210,9 +181,11 @@ int check(int M, int N, int K) {
   std::sort(ms.begin(), ms.end());
   const double med = ms[ms.size() / 2];
   const bool ok = err == cudaSuccess && bad == 0 && rel < 1e-3;
-  printf("{\"M\": %d, \"N\": %d, \"K\": %d, \"error\": \"%s\", \"nonfinite\": %zu, "
-         "\"rel_err\": %.3e, \"median_ms\": %.4f, \"tflops\": %.1f, \"ok\": %s}\n",
-         M, N, K, cudaGetErrorString(err), bad, rel, med, 2.0 * M * N * K / med / 1e9,
+  printf("{\"stages\": %d, \"keep\": %d, \"M\": %d, \"N\": %d, \"K\": %d, "
+         "\"error\": \"%s\", \"nonfinite\": %zu, \"rel_err\": %.3e, \"median_ms\": %.4f, "
+         "\"tflops\": %.1f, \"ok\": %s}\n",
+         STAGES, KEEP, M, N, K, cudaGetErrorString(err), bad, rel, med,
+         2.0 * M * N * K / med / 1e9,
          ok ? "true" : "false");
   cudaFree(a);
   cudaFree(b);
@@ -229,6 +202,10 @@ int main() {
   // rows.
   const int shapes[][3] = {{1024, 6144, 4096}, {1024, 4096, 12288}, {200, 327, 200},
                            {256, 4096, 1024}};
-  for (const auto& s : shapes) failed |= check(s[0], s[1], s[2]);
+  for (const auto& s : shapes) {
+    failed |= check<3, 0>(s[0], s[1], s[2]);
+    failed |= check<4, 1>(s[0], s[1], s[2]);
+    failed |= check<5, 1>(s[0], s[1], s[2]);
+  }
   return failed;
 }

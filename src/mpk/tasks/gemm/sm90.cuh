@@ -7,11 +7,12 @@
 //
 // Tiles of BM = 128 rows x BN = 128 weight rows (silu_mul: 64 gate rows then the same 64 up
 // rows, so 64 outputs a tile), K in steps of BK = 64 through a STAGES-deep cp.async ring (both
-// operands through L2: x is an activation, the weight is read once per row block). Rows are
-// padded by 16 bytes, so ldmatrix's eight 16-byte rows fall in distinct banks. 8 warps as 2 (rows)
-// x 4 (weight rows), a warp tile of 64 x 32 (6 ldmatrix per 16 mma: a 32 x 32 warp tile, 4 per
-// 8, was bound by shared-memory bandwidth at ~135 TFLOP/s on qwen3-8b, perf-log): mma.sync
-// m16n8k16, bf16 in, fp32 accumulate.
+// operands through L2: x is an activation, the weight is read once per row block) into
+// 128-byte-swizzled stages (common/wgmma.cuh). The two consumer warpgroups each multiply 64
+// rows by the 128 weight rows with wgmma m64n128k16 (bf16 in, fp32 accumulate) straight from
+// shared memory: the mma.sync tile this replaces reached ~195 TFLOP/s in the megakernel, bound
+// by ldmatrix traffic (perf-log, sixth session). A k tile's MMAs are issued before the copies of
+// the tile AHEAD further on, so those copies are issued while the tensor cores run.
 // Epilogue through shared memory: the tile is rounded to bf16 where the reference rounds
 // (tasks/linear project), then rows are written 16 bytes at a time with the silu_mul or
 // residual step (out may be the residual itself: each element is read, then written, by one
@@ -25,16 +26,20 @@
 #include "../common/reduce.cuh"
 #include "../common/split.cuh"
 #include "../common/tile.cuh"
+#include "../common/wgmma.cuh"
 
 namespace mpk::kinds::gemm {
 namespace detail {
 
 using bf16 = __nv_bfloat16;
 constexpr int BM = 128, BN = 128, BK = 64, STAGES = 3;  // task.py BM, BN, BK, STAGES
-constexpr int ROW = BK + 8;                            // task.py SMEM_ROW
-constexpr int A_BYTES = BM * ROW * 2, STAGE_BYTES = (BM + BN) * ROW * 2;
-constexpr int CROW = BN + 8;  // the epilogue tile's row, bf16 elements
-static_assert(NUM_THREADS == 256, "the warp tiling assumes 8 consumer warps");
+// wgmma groups left in flight past a k tile (0 or 1); the copies run AHEAD tiles ahead.
+constexpr int KEEP = 0, AHEAD = STAGES - 1 - KEEP;
+static_assert((KEEP == 0 || KEEP == 1) && AHEAD >= 1, "a slot per tile copied or multiplied");
+static_assert(BK * 2 == dev::SW128_ROW_BYTES, "a staged row is one 128-byte swizzle row");
+constexpr int A_BYTES = BM * BK * 2, STAGE_BYTES = (BM + BN) * BK * 2;  // task.py STAGE_BYTES
+constexpr int CROW = BN + 8;  // the epilogue tile's row, bf16 elements (padded: no conflicts)
+static_assert(NUM_THREADS == 256, "two consumer warpgroups of 64 rows each");
 
 struct Gemm {
   int rows, K, N, lo, hi;
@@ -51,60 +56,47 @@ __device__ __forceinline__ void load_stage(const Gemm& t, uint32_t smem, int slo
   const uint32_t sa = smem + slot * STAGE_BYTES, sb = sa + A_BYTES;
   const int k0 = kt * BK;
   for (int i = threadIdx.x; i < BM * (BK / 8); i += NUM_THREADS) {
-    const int r = i / (BK / 8), k = k0 + (i % (BK / 8)) * 8;
+    const int r = i / (BK / 8), c = i % (BK / 8), k = k0 + c * 8;
     const bool ok = m0 + r < t.rows && k < t.K;
     const bf16* src = ok ? t.x + (long long)(m0 + r) * t.K + k : t.x;
-    dev::cp_async_act16_or_zero(sa + (r * ROW + k - k0) * 2, src, ok);
+    dev::cp_async_act16_or_zero(sa + dev::sw128_offset(r, c), src, ok);
   }
   for (int i = threadIdx.x; i < BN * (BK / 8); i += NUM_THREADS) {
-    const int r = i / (BK / 8), k = k0 + (i % (BK / 8)) * 8;
+    const int r = i / (BK / 8), c = i % (BK / 8), k = k0 + c * 8;
     const int col = t.silu ? n0 + r % (BN / 2) : n0 + r;
     const long long wrow = t.silu && r >= BN / 2 ? (long long)t.N + col : col;
     const bool ok = col < t.hi && k < t.K;
     const bf16* src = ok ? t.w + wrow * t.K + k : t.w;
-    dev::cp_async_weight16(sb + (r * ROW + k - k0) * 2, src, ok);
+    dev::cp_async_weight16(sb + dev::sw128_offset(r, c), src, ok);
   }
 }
 
-// acc[mi][ni] += the warp's 64 x 32 block over one staged k tile.
-__device__ __forceinline__ void mma_stage(uint32_t smem, int slot, float (&acc)[4][4][4]) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const uint32_t sa = smem + slot * STAGE_BYTES, sb = sa + A_BYTES;
-  const int arow = (warp & 1) * 64 + (lane & 15), acol = (lane >> 4) * 8;
-  const int brow = (warp >> 1) * 32 + (lane & 7) + ((lane >> 4) << 3), bcol = ((lane >> 3) & 1) * 8;
-#pragma unroll 1
-  for (int kk = 0; kk < BK; kk += 16) {
-    uint32_t af[4][4], bfr[4][2];
+// acc += this warpgroup's 64 rows x the 128 weight rows over one staged k tile (issued, not
+// waited for: wgmma_wait_all).
+__device__ __forceinline__ void mma_stage(uint32_t smem, int slot, float (&acc)[64]) {
+  const uint32_t sa = smem + slot * STAGE_BYTES + (threadIdx.x / 128) * 64 * BK * 2;
+  const uint32_t sb = smem + slot * STAGE_BYTES + A_BYTES;
+  dev::wgmma_fence();
 #pragma unroll
-    for (int mi = 0; mi < 4; ++mi)
-      dev::ldmatrix_x4(sa + ((arow + mi * 16) * ROW + kk + acol) * 2, af[mi][0], af[mi][1],
-                       af[mi][2], af[mi][3]);
-#pragma unroll
-    for (int nj = 0; nj < 2; ++nj)
-      dev::ldmatrix_x4(sb + ((brow + nj * 16) * ROW + kk + bcol) * 2, bfr[2 * nj][0],
-                       bfr[2 * nj][1], bfr[2 * nj + 1][0], bfr[2 * nj + 1][1]);
-#pragma unroll
-    for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < 4; ++ni)
-        dev::mma_bf16_16816(acc[mi][ni], af[mi][0], af[mi][1], af[mi][2], af[mi][3],
-                            bfr[ni][0], bfr[ni][1]);
-  }
+  for (int k16 = 0; k16 < BK / 16; ++k16)  // 16 k = 32 bytes further along each swizzled row
+    dev::wgmma_m64n128k16_bf16(acc, dev::sw128_desc(sa + 32 * k16),
+                               dev::sw128_desc(sb + 32 * k16));
+  dev::wgmma_commit();
 }
 
-// The warp's accumulators, rounded to bf16, into the [BM][CROW] tile at smem.
-__device__ __forceinline__ void stage_tile(uint32_t smem, const float (&acc)[4][4][4]) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+// The accumulators, rounded to bf16, into the [BM][CROW] tile at smem (fragment layout:
+// common/wgmma.cuh).
+__device__ __forceinline__ void stage_tile(uint32_t smem, const float (&acc)[64]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int row = (threadIdx.x / 128) * 64 + ((threadIdx.x / 32) % 4) * 16 + g;
 #pragma unroll
-  for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < 4; ++ni) {
-      const int row = (warp & 1) * 64 + mi * 16 + g, col = (warp >> 1) * 32 + ni * 8 + 2 * t;
-      const uint32_t lo = dev::pack_bf16x2(acc[mi][ni][0], acc[mi][ni][1]);
-      const uint32_t hi = dev::pack_bf16x2(acc[mi][ni][2], acc[mi][ni][3]);
-      asm volatile("st.shared.u32 [%0], %1;" ::"r"(smem + (row * CROW + col) * 2), "r"(lo));
-      asm volatile("st.shared.u32 [%0], %1;" ::"r"(smem + ((row + 8) * CROW + col) * 2), "r"(hi));
-    }
+  for (int i = 0; i < BN / 8; ++i) {
+    const int col = 8 * i + 2 * t;
+    const uint32_t lo = dev::pack_bf16x2(acc[4 * i], acc[4 * i + 1]);
+    const uint32_t hi = dev::pack_bf16x2(acc[4 * i + 2], acc[4 * i + 3]);
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(smem + (row * CROW + col) * 2), "r"(lo));
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(smem + ((row + 8) * CROW + col) * 2), "r"(hi));
+  }
 }
 
 // The staged tile's outputs [n0, n0 + 128) ([n0, n0 + 64) with silu_mul) of rows m0 .. m0+127.
@@ -133,29 +125,30 @@ __device__ __forceinline__ void store_tile(const Gemm& t, uint32_t smem, int m0,
 }
 
 __device__ __forceinline__ void tile(const Gemm& t, uint32_t smem, int m0, int n0) {
-  float acc[4][4][4];
+  float acc[64];
 #pragma unroll
-  for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < 4; ++ni)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
+  for (int e = 0; e < 64; ++e) acc[e] = 0.f;
   const int nk = (t.K + BK - 1) / BK;
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
+  for (int s = 0; s < AHEAD; ++s) {
     if (s < nk) load_stage(t, smem, s, s, m0, n0);
     dev::cp_async_commit();
   }
   for (int kt = 0; kt < nk; ++kt) {
-    dev::cp_async_wait_group(STAGES - 2);  // k tile kt has landed (this thread's copies)
-    mpk::task_sync();                      // ... everyone's; and slot (kt - 1) % STAGES is free
-    const int next = kt + STAGES - 1;
+    dev::cp_async_wait_group(AHEAD - 1);  // k tile kt has landed (this thread's copies)
+    dev::fence_proxy_async_shared();      // ... and is visible to wgmma's reads
+    // Everyone's copies of tile kt landed; both warpgroups' MMAs of tile kt - 1 - KEEP are done
+    // (waited below), so its slot, (kt + AHEAD) % STAGES, may be overwritten.
+    mpk::task_sync();
+    mma_stage(smem, kt % STAGES, acc);
+    const int next = kt + AHEAD;
     if (next < nk) load_stage(t, smem, next % STAGES, next, m0, n0);
     dev::cp_async_commit();
-    mma_stage(smem, kt % STAGES, acc);
+    dev::wgmma_wait<KEEP>();
   }
+  dev::wgmma_wait_all();
   dev::cp_async_wait_all();
-  mpk::task_sync();  // every warp is done with the stages: the tile reuses them
+  mpk::task_sync();  // every warpgroup is done with the stages: the tile reuses them
   stage_tile(smem, acc);
   mpk::task_sync();
   store_tile(t, smem, m0, n0);
@@ -164,7 +157,10 @@ __device__ __forceinline__ void tile(const Gemm& t, uint32_t smem, int m0, int n
 
 }  // namespace detail
 
-MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
+// Out of line, as attention_prefill's: a task runs for tens of microseconds, and its 64 wgmma
+// accumulators per thread get a register allocation of their own (inlined into the prefill
+// plan's dispatch switch, ptxas spilled 88 bytes of the runtime's state).
+__device__ __noinline__ void run_task(const mpk::TaskArgs& a) {
   using detail::bf16;
   detail::Gemm t;
   int r0, r1;
@@ -180,11 +176,15 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   t.out = reinterpret_cast<bf16*>(a.base[O_OUT]) + (long long)r0 * t.N;
   t.resid = t.res ? reinterpret_cast<const bf16*>(a.base[O_RESIDUAL]) + (long long)r0 * t.N
                   : nullptr;
-  const uint32_t smem = dev::smem_addr(a.smem);
+  // The swizzle pattern repeats every 1024 bytes, and the stages must start on one (task.py
+  // scratch_bytes leaves the slack).
+  const uint32_t smem = (dev::smem_addr(a.smem) + 1023u) & ~1023u;
   const int width = t.silu ? detail::BN / 2 : detail::BN;
   for (int n0 = t.lo; n0 < t.hi; n0 += width)
     for (int m0 = 0; m0 < t.rows; m0 += detail::BM) detail::tile(t, smem, m0, n0);
 }
+
+MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) { run_task(a); }
 
 
 }  // namespace mpk::kinds::gemm

@@ -9,8 +9,9 @@ so M is not bounded by the decode kernel's 16 rows. The input norm is a separate
 Grid (T, R): axis 0 cuts the N outputs into T contiguous ranges (split_bounds, multiples of 8;
 with silu_mul, N is the intermediate size and a range covers the same rows of the gate and the
 up matrix); axis 1 cuts the M rows of x, out and residual into R blocks the same way. The CUDA
-kernel (sm90.cuh) computes tiles of 128 rows x 128 weight rows on tensor cores, reading both
-operands through L2 with cp.async (the weights of a range are read once per row block).
+kernel (sm90.cuh) computes tiles of 128 rows x 128 weight rows with warpgroup MMAs (wgmma),
+reading both operands through L2 with cp.async (the weights of a range are read once per row
+block).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ EPILOGUES = ("none", "silu_mul")
 ALIGN = 8
 # The CUDA tile (sm90.cuh): BM rows x BN weight rows, K in BK steps, STAGES copies in flight.
 BM, BN, BK, STAGES = 128, 128, 64, 3
-SMEM_ROW = BK + 8  # bf16 elements per staged row: 16 bytes of padding spread ldmatrix's rows
+STAGE_BYTES = (BM + BN) * BK * 2  # both operands' k tile, 128-byte-swizzled rows
+SWIZZLE_ALIGN = 1024  # the stages start on a swizzle atom: slack to align the scratch up
 
 
 @register
@@ -85,8 +87,8 @@ class Gemm(TaskKind):
                 "has_residual": int(op.has("residual"))}
 
     def scratch_bytes(self, op: OpView) -> int:
-        staged = STAGES * (BM + BN) * SMEM_ROW * 2
-        return max(staged, BM * (BN + 8) * 2)  # the epilogue's tile reuses the stages
+        # The epilogue's tile (padded rows) reuses the stages.
+        return max(STAGES * STAGE_BYTES, BM * (BN + 8) * 2) + SWIZZLE_ALIGN
 
     def reference(self, tile: Tile) -> None:
         project(tile, tile["x"].float())
