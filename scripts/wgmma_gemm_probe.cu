@@ -28,10 +28,12 @@
 
 namespace {
 
-constexpr int BM = 128, BN = 128, BK = 64, THREADS = 256;
-constexpr int TILE_BYTES = 128 * 128;              // 128 rows x 64 bf16 (128 B), swizzled
-constexpr int STAGE_BYTES = 2 * TILE_BYTES;        // A then B
-constexpr int smem_bytes(int stages) { return stages * STAGE_BYTES + 1024; }  // + 1024-alignment
+constexpr int BM = 128, BK = 64, THREADS = 256;
+constexpr int A_BYTES = BM * 128;  // 128 rows x 64 bf16 (128 B), swizzled; then BN rows of B
+__host__ __device__ constexpr int stage_bytes(int bn) { return A_BYTES + bn * 128; }
+__host__ __device__ constexpr int smem_bytes(int bn, int stages) {
+  return stages * stage_bytes(bn) + 1024;  // + the alignment to 1024 (the swizzle atom)
+}
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -44,22 +46,70 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
                : "memory");
 }
 
+// d += A (64 x 16) . B (256 x 16)^T: the wider tile (common/wgmma.cuh has the 128-wide one the
+// gemm kind runs; the fragment layout is the same, 32 groups of 8 columns).
+__device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+      "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
+      "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, "
+      "%70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, "
+      "%87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, "
+      "%104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, "
+      "%118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
+        "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
+        "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
+        "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]),
+        "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]),
+        "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]),
+        "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]),
+        "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
+        "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
+        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
+        "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(a), "l"(b));
+}
+
+// Rows 0..127 of the stage are A's (m0 ...), the next BN are B's (n0 ...).
+template <int BN>
 __device__ __forceinline__ void load_stage(uint32_t stage, const __nv_bfloat16* A,
                                            const __nv_bfloat16* B, int M, int N, int K, int m0,
                                            int n0, int k0) {
-  for (int i = threadIdx.x; i < 2 * 128 * 8; i += THREADS) {
-    const int which = i / (128 * 8), r = (i / 8) % 128, c = i % 8, k = k0 + c * 8;
-    const int row = (which == 0 ? m0 : n0) + r, rows = which == 0 ? M : N;
-    const __nv_bfloat16* base = which == 0 ? A : B;
+  for (int i = threadIdx.x; i < (BM + BN) * 8; i += THREADS) {
+    const int r = i / 8, c = i % 8, k = k0 + c * 8;
+    const bool is_a = r < BM;
+    const int row = is_a ? m0 + r : n0 + r - BM, rows = is_a ? M : N;
+    const __nv_bfloat16* base = is_a ? A : B;
     const bool ok = row < rows && k < K;
-    cp_async16(stage + which * TILE_BYTES + mpk::dev::sw128_offset(r, c),
-               ok ? base + (long long)row * K + k : base, ok);
+    cp_async16(stage + mpk::dev::sw128_offset(r, c), ok ? base + (long long)row * K + k : base,
+               ok);
   }
 }
 
-// One CTA: outputs [m0, m0 + 128) x [n0, n0 + 128); warpgroup w computes rows m0 + 64w ...
+template <int BN>
+__device__ __forceinline__ void mma_k16(float (&d)[BN / 2], uint64_t a, uint64_t b) {
+  if constexpr (BN == 128) mpk::dev::wgmma_m64n128k16_bf16(d, a, b);
+  else wgmma_m64n256k16_bf16(d, a, b);
+}
+
+// One CTA: outputs [m0, m0 + 128) x [n0, n0 + BN); warpgroup w computes rows m0 + 64w ...
 // STAGES slots; KEEP wgmma groups (0 or 1) may stay in flight past a tile.
-template <int STAGES, int KEEP>
+template <int BN, int STAGES, int KEEP>
 __global__ void __launch_bounds__(THREADS) gemm_wgmma(const __nv_bfloat16* A,
                                                       const __nv_bfloat16* B, float* C, int M,
                                                       int N, int K) {
@@ -69,13 +119,13 @@ __global__ void __launch_bounds__(THREADS) gemm_wgmma(const __nv_bfloat16* A,
   const uint32_t smem = (smem_u32(raw) + 1023u) & ~1023u;
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  float d[64];
+  float d[BN / 2];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) d[i] = 0.f;
+  for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
   const int nk = (K + BK - 1) / BK;
 #pragma unroll
   for (int s = 0; s < AHEAD; ++s) {
-    if (s < nk) load_stage(smem + s * STAGE_BYTES, A, B, M, N, K, m0, n0, s * BK);
+    if (s < nk) load_stage<BN>(smem + s * stage_bytes(BN), A, B, M, N, K, m0, n0, s * BK);
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
   for (int kt = 0; kt < nk; ++kt) {
@@ -84,17 +134,17 @@ __global__ void __launch_bounds__(THREADS) gemm_wgmma(const __nv_bfloat16* A,
     // Every thread's copies of tile kt landed; both warpgroups' MMAs of tile kt - 1 - KEEP are
     // done, so its slot, (kt + AHEAD) % STAGES, may be overwritten.
     __syncthreads();
-    const uint32_t stage = smem + (kt % STAGES) * STAGE_BYTES;
-    const uint32_t a = stage + wg * 64 * 128, b = stage + TILE_BYTES;
+    const uint32_t stage = smem + (kt % STAGES) * stage_bytes(BN);
+    const uint32_t a = stage + wg * 64 * 128, b = stage + A_BYTES;
     mpk::dev::wgmma_fence();
 #pragma unroll
     for (int k16 = 0; k16 < BK / 16; ++k16)
-      mpk::dev::wgmma_m64n128k16_bf16(d, mpk::dev::sw128_desc(a + 32 * k16),
-                                      mpk::dev::sw128_desc(b + 32 * k16));
+      mma_k16<BN>(d, mpk::dev::sw128_desc(a + 32 * k16), mpk::dev::sw128_desc(b + 32 * k16));
     mpk::dev::wgmma_commit();
     const int next = kt + AHEAD;
     if (next < nk)
-      load_stage(smem + (next % STAGES) * STAGE_BYTES, A, B, M, N, K, m0, n0, next * BK);
+      load_stage<BN>(smem + (next % STAGES) * stage_bytes(BN), A, B, M, N, K, m0, n0,
+                     next * BK);
     asm volatile("cp.async.commit_group;" ::: "memory");
     mpk::dev::wgmma_wait<KEEP>();  // before the barrier that frees a slot for the copies
   }
@@ -103,7 +153,7 @@ __global__ void __launch_bounds__(THREADS) gemm_wgmma(const __nv_bfloat16* A,
   // 8i + 2t, + 1; d[4i + 2, 3] = row + 8; g = lane / 4, t = lane % 4.
   const int g = lane / 4, t = lane % 4;
 #pragma unroll
-  for (int i = 0; i < 16; ++i)
+  for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = m0 + wg * 64 + warp * 16 + g + 8 * h, col = n0 + 8 * i + 2 * t;
@@ -127,9 +177,9 @@ __global__ void gemm_naive(const __nv_bfloat16* A, const __nv_bfloat16* B, float
 // One CTA per SM as in the megakernel: each asks for more than half of an SM's shared memory.
 constexpr int ONE_CTA_PER_SM = 116 * 1024;
 
-template <int STAGES, int KEEP>
+template <int BN, int STAGES, int KEEP>
 int check(int M, int N, int K) {
-  const int smem = std::max(smem_bytes(STAGES), ONE_CTA_PER_SM);
+  const int smem = std::max(smem_bytes(BN, STAGES), ONE_CTA_PER_SM);
   if (K % 8) {  // the 16-byte copies need whole 8-element groups of k (as tasks/gemm checks)
     printf("{\"M\": %d, \"N\": %d, \"K\": %d, \"ok\": false, \"why\": \"K %% 8\"}\n", M, N, K);
     return 1;
@@ -148,7 +198,7 @@ int check(int M, int N, int K) {
   cudaMemcpy(a, ha.data(), ha.size() * 2, cudaMemcpyHostToDevice);
   cudaMemcpy(b, hb.data(), hb.size() * 2, cudaMemcpyHostToDevice);
   cudaMemset(c, 0xff, (size_t)M * N * 4);  // NaN poison: an unwritten output shows
-  auto kernel = gemm_wgmma<STAGES, KEEP>;
+  auto kernel = gemm_wgmma<BN, STAGES, KEEP>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const dim3 grid((N + BN - 1) / BN, (M + BM - 1) / BM);
   kernel<<<grid, THREADS, smem>>>(a, b, c, M, N, K);
@@ -181,10 +231,10 @@ int check(int M, int N, int K) {
   std::sort(ms.begin(), ms.end());
   const double med = ms[ms.size() / 2];
   const bool ok = err == cudaSuccess && bad == 0 && rel < 1e-3;
-  printf("{\"stages\": %d, \"keep\": %d, \"M\": %d, \"N\": %d, \"K\": %d, "
+  printf("{\"bn\": %d, \"stages\": %d, \"keep\": %d, \"M\": %d, \"N\": %d, \"K\": %d, "
          "\"error\": \"%s\", \"nonfinite\": %zu, \"rel_err\": %.3e, \"median_ms\": %.4f, "
          "\"tflops\": %.1f, \"ok\": %s}\n",
-         STAGES, KEEP, M, N, K, cudaGetErrorString(err), bad, rel, med,
+         BN, STAGES, KEEP, M, N, K, cudaGetErrorString(err), bad, rel, med,
          2.0 * M * N * K / med / 1e9,
          ok ? "true" : "false");
   cudaFree(a);
@@ -203,9 +253,11 @@ int main() {
   const int shapes[][3] = {{1024, 6144, 4096}, {1024, 4096, 12288}, {200, 327, 200},
                            {256, 4096, 1024}};
   for (const auto& s : shapes) {
-    failed |= check<3, 0>(s[0], s[1], s[2]);
-    failed |= check<4, 1>(s[0], s[1], s[2]);
-    failed |= check<5, 1>(s[0], s[1], s[2]);
+    failed |= check<128, 3, 0>(s[0], s[1], s[2]);  // tasks/gemm/sm90.cuh
+    failed |= check<128, 4, 1>(s[0], s[1], s[2]);
+    failed |= check<128, 5, 1>(s[0], s[1], s[2]);
+    failed |= check<256, 3, 0>(s[0], s[1], s[2]);  // twice the FLOPs per byte staged
+    failed |= check<256, 4, 1>(s[0], s[1], s[2]);
   }
   return failed;
 }
