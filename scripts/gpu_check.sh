@@ -73,6 +73,7 @@ case $mode in
     step models_buffers 300 $PYTEST --timeout 280 tests/gpu/test_model_gpu.py -k every_buffer
     step models_engine 240 $PYTEST --timeout 200 tests/gpu/test_model_gpu.py tests/profile \
       -k "not every_buffer"
+    step moe_transformers 120 $PYTEST tests/models/test_moe_mpk.py -k cuda
     step generate 90 python3 -m mpk generate --model qwen3-0.6b --backend cuda --json \
       --max-new-tokens 32
     before=$status

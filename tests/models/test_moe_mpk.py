@@ -2,7 +2,8 @@
 on checkpoints transformers saved itself: the same greedy tokens as `generate` for both rows of a
 batch-2 decode (rows that choose different experts in the same step), on the two tiny MoE models
 of tests/models/test_moe_reference.py (6 experts top-2 renormalised with a dense layer, 10
-experts top-3 without renormalisation)."""
+experts top-3 without renormalisation). The same on CUDA through the Engine (the megakernel's
+moe_router / moe_gate_up / moe_down against transformers, issue 12's GPU check)."""
 
 from __future__ import annotations
 
@@ -55,8 +56,9 @@ def _hf_greedy(hf, cfg: ModelConfig, prompt: list[int]) -> tuple[list[int], floa
     return seq[0, len(prompt):].tolist(), greedy, routing
 
 
-@pytest.mark.parametrize("which", sorted(CONFIGS))
-def test_greedy_tokens_equal_generate(tmp_path, which: str, make_hf_model) -> None:
+def _expected(tmp_path, make_hf_model, which: str):
+    """The checkpoint, its two prompts and transformers' greedy tokens for them (asserting the
+    seed's decisions are clear of near-ties)."""
     hf, cfg, weights = _saved(tmp_path, make_hf_model, CONFIGS[which](), SEED)
     assert (cfg.num_experts, cfg.mlp_only_layers) == (CONFIGS[which]().num_experts,
                                                       CONFIGS[which]().mlp_only_layers)
@@ -69,7 +71,27 @@ def test_greedy_tokens_equal_generate(tmp_path, which: str, make_hf_model) -> No
             f"seed {SEED} rests on a near-tie (greedy {greedy:.3g}, routing {routing:.3g}): "
             f"transformers or torch changed; pick another seed")
         expected.append(tokens)
+    return cfg, weights, prompts, expected
+
+
+@pytest.mark.parametrize("which", sorted(CONFIGS))
+def test_greedy_tokens_equal_generate(tmp_path, which: str, make_hf_model) -> None:
+    cfg, weights, prompts, expected = _expected(tmp_path, make_hf_model, which)
     got = run_prompts(_mpk(cfg, weights, SEED), SHAPE, prompts, NEW_TOKENS)
+    assert got == expected, f"seed {SEED}"
+
+
+@pytest.mark.gpu
+@pytest.mark.nvcc
+@pytest.mark.parametrize("which", sorted(CONFIGS))
+def test_greedy_tokens_equal_generate_on_cuda(tmp_path, which: str, make_hf_model) -> None:
+    """Both prompts in one batch of the CUDA engine (rows choosing different experts in one
+    step, as on the CPU)."""
+    from mpk.engine.engine import Engine
+
+    cfg, weights, prompts, expected = _expected(tmp_path, make_hf_model, which)
+    engine = Engine(cfg, weights, backend="cuda", progress=False)
+    got = engine.generate(prompts, NEW_TOKENS).token_ids
     assert got == expected, f"seed {SEED}"
 
 
