@@ -27,12 +27,12 @@ from mpk.models.builder import choose_split, lm_head
 from mpk.models.config import ModelConfig
 from mpk.tasks.attention_prefill.task import CUDA_MAX_HEAD_DIM
 from mpk.tasks.gemm.task import ALIGN as GEMM_ALIGN
+from mpk.tasks.gemm.task import BM as GEMM_ROWS  # the CUDA tile's height: blocks of whole tiles
+from mpk.tasks.gemm.task import BN as GEMM_COLUMNS  # outputs per task at most (half: silu_mul)
 from mpk.tensors import Role
 
 BF16, F32, I32 = DType.BF16, DType.F32, DType.I32
 QUERY_BLOCK = 64  # prompt rows per attention_prefill task (when it divides the chunk)
-GEMM_ROWS = 128  # the gemm CUDA tile's height: row blocks are whole tiles
-GEMM_COLUMNS = 128  # outputs per gemm task at most (64 with silu_mul: gate and up rows)
 PREFILL_KINDS = ("gemm", "attention_prefill", "take_row")
 
 

@@ -5,11 +5,11 @@
 // [M_all, N]; this task's rows are [r0, r1) (split_bounds(M_all, row_blocks, 8, point(1))), its
 // outputs [lo, hi) (split_bounds(N, tasks, 8, point(0))).
 //
-// Tiles of BM = 128 rows x BN = 128 weight rows (silu_mul: 64 gate rows then the same 64 up
-// rows, so 64 outputs a tile), K in steps of BK = 64 through a STAGES-deep cp.async ring (both
+// Tiles of BM = 128 rows x BN weight rows (silu_mul: BN / 2 gate rows then the same BN / 2 up
+// rows, so BN / 2 outputs a tile), K in steps of BK = 64 through a STAGES-deep cp.async ring (both
 // operands through L2: x is an activation, the weight is read once per row block) into
 // 128-byte-swizzled stages (common/wgmma.cuh). The two consumer warpgroups each multiply 64
-// rows by the 128 weight rows with wgmma m64n128k16 (bf16 in, fp32 accumulate) straight from
+// rows by the BN weight rows with wgmma m64nBNk16 (bf16 in, fp32 accumulate) straight from
 // shared memory: the mma.sync tile this replaces reached ~195 TFLOP/s in the megakernel, bound
 // by ldmatrix traffic (perf-log, sixth session). A k tile's MMAs are issued before the copies of
 // the tile AHEAD further on, so those copies are issued while the tensor cores run.
@@ -71,22 +71,22 @@ __device__ __forceinline__ void load_stage(const Gemm& t, uint32_t smem, int slo
   }
 }
 
-// acc += this warpgroup's 64 rows x the 128 weight rows over one staged k tile (issued, not
-// waited for: wgmma_wait_all).
-__device__ __forceinline__ void mma_stage(uint32_t smem, int slot, float (&acc)[64]) {
+// acc += this warpgroup's 64 rows x the BN weight rows over one staged k tile (issued, not
+// waited for: wgmma_wait).
+__device__ __forceinline__ void mma_stage(uint32_t smem, int slot, float (&acc)[BN / 2]) {
   const uint32_t sa = smem + slot * STAGE_BYTES + (threadIdx.x / 128) * 64 * BK * 2;
   const uint32_t sb = smem + slot * STAGE_BYTES + A_BYTES;
   dev::wgmma_fence();
 #pragma unroll
   for (int k16 = 0; k16 < BK / 16; ++k16)  // 16 k = 32 bytes further along each swizzled row
-    dev::wgmma_m64n128k16_bf16(acc, dev::sw128_desc(sa + 32 * k16),
+    dev::wgmma_m64k16_bf16<BN>(acc, dev::sw128_desc(sa + 32 * k16),
                                dev::sw128_desc(sb + 32 * k16));
   dev::wgmma_commit();
 }
 
 // The accumulators, rounded to bf16, into the [BM][CROW] tile at smem (fragment layout:
 // common/wgmma.cuh).
-__device__ __forceinline__ void stage_tile(uint32_t smem, const float (&acc)[64]) {
+__device__ __forceinline__ void stage_tile(uint32_t smem, const float (&acc)[BN / 2]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int row = (threadIdx.x / 128) * 64 + ((threadIdx.x / 32) % 4) * 16 + g;
 #pragma unroll
@@ -99,7 +99,7 @@ __device__ __forceinline__ void stage_tile(uint32_t smem, const float (&acc)[64]
   }
 }
 
-// The staged tile's outputs [n0, n0 + 128) ([n0, n0 + 64) with silu_mul) of rows m0 .. m0+127.
+// The staged tile's outputs [n0, n0 + BN) ([n0, n0 + BN / 2) with silu_mul) of rows m0 .. m0+127.
 __device__ __forceinline__ void store_tile(const Gemm& t, uint32_t smem, int m0, int n0) {
   const int width = t.silu ? BN / 2 : BN;
   for (int i = threadIdx.x; i < BM * (width / 8); i += NUM_THREADS) {
@@ -125,9 +125,9 @@ __device__ __forceinline__ void store_tile(const Gemm& t, uint32_t smem, int m0,
 }
 
 __device__ __forceinline__ void tile(const Gemm& t, uint32_t smem, int m0, int n0) {
-  float acc[64];
+  float acc[BN / 2];
 #pragma unroll
-  for (int e = 0; e < 64; ++e) acc[e] = 0.f;
+  for (int e = 0; e < BN / 2; ++e) acc[e] = 0.f;
   const int nk = (t.K + BK - 1) / BK;
 #pragma unroll
   for (int s = 0; s < AHEAD; ++s) {
@@ -157,7 +157,7 @@ __device__ __forceinline__ void tile(const Gemm& t, uint32_t smem, int m0, int n
 
 }  // namespace detail
 
-// Out of line, as attention_prefill's: a task runs for tens of microseconds, and its 64 wgmma
+// Out of line, as attention_prefill's: a task runs for tens of microseconds, and its BN / 2 wgmma
 // accumulators per thread get a register allocation of their own (inlined into the prefill
 // plan's dispatch switch, ptxas spilled 88 bytes of the runtime's state).
 __device__ __noinline__ void run_task(const mpk::TaskArgs& a) {
