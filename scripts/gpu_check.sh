@@ -23,7 +23,9 @@
 #                                          outputs equal solo runs) on qwen3-0.6b and qwen3-8b, then
 #                                          scripts/bench_serve.py against `mpk serve --backend cuda`
 #                                          (SERVE_MODEL, default qwen3-8b; REQUESTS, default 200)
-# Tune with MODELS="qwen3-0.6b ..." BATCHES="1 8" TOKENS=200 PYTEST_ARGS=... BUDGET=540.
+# Tune with MODELS="qwen3-0.6b ..." BATCHES="1 8" TOKENS=200 PYTEST_ARGS=... BUDGET=540;
+# prefill: PREFILL_MODELS, CHUNKS, SERVING_LONG=0 (no long-prompt serving bench); serve:
+# SERVING_MODELS, SERVE_SERVER=0 (no HTTP server bench).
 # GGUF_PARTS: files whose concatenation is the SmolLM2 GGUF (a call carries at most 64 MiB, so
 # it travels in two calls; stash the first in /tmp with GGUF_STASH=path of the part).
 # Steps run in order while the call's BUDGET (seconds) lasts; a failing gate step skips the rest.
@@ -121,11 +123,11 @@ case $mode in
     step bench_tp2 150 python3 -m mpk bench --model qwen3-8b --tp 2 --new-tokens 100
     ;;
   serve)
-    for model in qwen3-0.6b qwen3-8b; do
+    for model in ${SERVING_MODELS:-qwen3-0.6b qwen3-8b}; do
       step "bench-serving-$model" 150 python3 -m mpk bench --serving --model "$model" \
         --requests 48 --max-batch 16 --json
     done
-    step serve_bench 300 python3 scripts/bench_serve.py --num-requests "${REQUESTS:-200}" \
+    [ "${SERVE_SERVER:-1}" = 1 ] && step serve_bench 300 python3 scripts/bench_serve.py --num-requests "${REQUESTS:-200}" \
       --launch "python3 -m mpk serve --backend cuda --model ${SERVE_MODEL:-qwen3-8b} \
       --max-batch 16 --port 0" --out "$OUT/bench-serve.json"
     ;;
@@ -139,13 +141,13 @@ case $mode in
   prefill)
     step kernels_prefill 150 $PYTEST tests/gpu/test_kernels_prefill.py || exit $status
     step model_prefill 300 $PYTEST --timeout 280 tests/gpu/test_model_gpu.py -k prefill_plan
-    for model in qwen3-0.6b qwen3-8b; do
+    for model in ${PREFILL_MODELS:-qwen3-0.6b qwen3-8b}; do
       for chunk in ${CHUNKS:-256 1024}; do
         step "prefill-$model-c$chunk" 200 python3 -m mpk bench --prefill "${PREFILL:-2048}" \
           --model "$model" --max-batch 16 --prefill-chunk "$chunk" --json
       done
     done
-    step bench-serving-long 200 python3 -m mpk bench --serving --model qwen3-0.6b \
+    [ "${SERVING_LONG:-1}" = 1 ] && step bench-serving-long 200 python3 -m mpk bench --serving --model qwen3-0.6b \
       --requests 32 --max-batch 16 --prompt-len 64:1024 --json
     ;;
   *) echo "unknown mode $mode (use correctness, real, perf, probe, wgmma, tp, serve, runs or" \
