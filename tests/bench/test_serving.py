@@ -35,6 +35,13 @@ def test_concurrent_requests_equal_their_solo_runs() -> None:
     assert result["single_request_tokens_per_s"] > 0 and result["output_tokens_per_s"] > 0
     assert result["ttft"]["p50_ms"] <= result["ttft"]["p99_ms"]
     assert 0 < result["tpot"]["p50_ms"] <= result["tpot"]["p99_ms"]
+    split = result["launch_split"]["concurrent"]
+    # Every output token came out of some launch's steps (a step gives each row at most one).
+    assert split["launches"] >= 1 and split["steps"] * 3 >= result["output_tokens"]
+    assert split["in_launches_s"] + split["between_launches_s"] == pytest.approx(
+        result["wall_s"], abs=2e-3)
+    single = result["launch_split"]["single"]
+    assert single["steps"] >= 4 * 8 and single["ms_per_step_in_launches"] > 0  # 8 launches of 4
 
 
 def test_the_cli_serving_mode(capsys: pytest.CaptureFixture[str]) -> None:
