@@ -1,16 +1,20 @@
 // The prefill GEMM tile on wgmma, alone: C[M, N] = A[M, K] . B[N, K]^T in bf16 with fp32
 // accumulation, checked against a naive kernel and timed (CUDA events, median of 20).
 //
-// Why: tasks/gemm/sm90.cuh runs mma.sync tiles at ~195 TFLOP/s inside the megakernel
-// (perf-log, sixth session); cuBLAS reaches ~2-3x that with warpgroup MMAs. This is the tile a
-// wgmma gemm kind would run, in the megakernel's shape: 256 threads (its consumer warps, two
-// warpgroups), 128 x 128 outputs per CTA, K in steps of 64 through a cp.async ring into
-// 128-byte-swizzled shared memory, each warpgroup one m64n128k16 wgmma per 16 k. Two pipelines:
-//   stages 3, keep 0  tasks/gemm/sm90.cuh's: a k tile's MMAs are issued, then the copies of the
-//                     tile two ahead, then the MMAs are waited for (272-309 TFLOP/s alone on
-//                     the H200 in the seventh session, with the copies issued first);
-//   stages S, keep 1  the MMAs of one tile stay in flight while the next tile's are issued (the
-//                     copies run S - 2 tiles ahead): the tensor pipe need not drain per tile.
+// Why: the gemm kind's tile (tasks/gemm/sm90.cuh, on wgmma since the seventh session; the
+// mma.sync tile before it ran ~195 TFLOP/s in the megakernel) and variants of it, timed apart
+// from the megakernel, in its shape: 256 threads (its consumer warps, two warpgroups), one CTA
+// per SM, 128 x BN outputs per CTA, K in steps of 64 through a cp.async ring into
+// 128-byte-swizzled shared memory, each warpgroup one m64nBNk16 wgmma per 16 k:
+//   BN 128, stages 3, keep 0  tasks/gemm/sm90.cuh's: a k tile's MMAs are issued, then the copies
+//                             of the tile two ahead, then the MMAs are waited for;
+//   stages S, keep 1          one tile's MMAs stay in flight while the next tile's are issued
+//                             (the copies run S - 2 tiles ahead);
+//   BN 256                    the 128 x 256 tile: 4/3 the FLOPs per staged byte.
+// Seventh session, H200 (TFLOP/s on 1024 x 6144 x 4096 / 1024 x 4096 x 12288): 128/3/0 285 /
+// 318, 128/4/1 287 / 323, 128/5/1 291 / 320, 256/3/0 284 / 413, 256/4/1 290 / 433 (6,144
+// columns are 1.45 waves of 256-wide tiles on 132 SMs; 4,096 are one). Copies issued before
+// the MMAs: 272 / 309.
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a scripts/wgmma_gemm_probe.cu \
 //     -o /tmp/wgmma_probe

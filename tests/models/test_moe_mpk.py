@@ -26,6 +26,7 @@ NEW_TOKENS = 8
 # such ties (on seed 40, checked by hand, MPK equals the bf16 ReferenceModel and differs from
 # HF exactly where the reference does).
 SEED = 111
+CUDA_SEEDS = (111, 101)  # fixed, tried in order (test_greedy_tokens_equal_generate_on_cuda)
 GREEDY_MARGIN = 0.02
 ROUTING_MARGIN = 0.01
 
@@ -56,29 +57,38 @@ def _hf_greedy(hf, cfg: ModelConfig, prompt: list[int]) -> tuple[list[int], floa
     return seq[0, len(prompt):].tolist(), greedy, routing
 
 
-def _expected(tmp_path, make_hf_model, which: str):
-    """The checkpoint, its two prompts and transformers' greedy tokens for them (asserting the
-    seed's decisions are clear of near-ties)."""
-    hf, cfg, weights = _saved(tmp_path, make_hf_model, CONFIGS[which](), SEED)
+def _clear_case(tmp_path, make_hf_model, which: str, seed: int):
+    """The checkpoint of `seed`, its two prompts and transformers' greedy tokens for them, or
+    None when its decisions rest on a near-tie (the comparison would be ill-posed)."""
+    hf, cfg, weights = _saved(tmp_path, make_hf_model, CONFIGS[which](), seed)
     assert (cfg.num_experts, cfg.mlp_only_layers) == (CONFIGS[which]().num_experts,
                                                       CONFIGS[which]().mlp_only_layers)
-    gen = torch.Generator().manual_seed(SEED)
+    gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (4, 3)]
     expected = []
     for prompt in prompts:
         tokens, greedy, routing = _hf_greedy(hf, cfg, prompt)
-        assert greedy > GREEDY_MARGIN and routing > ROUTING_MARGIN, (
-            f"seed {SEED} rests on a near-tie (greedy {greedy:.3g}, routing {routing:.3g}): "
-            f"transformers or torch changed; pick another seed")
+        if greedy <= GREEDY_MARGIN or routing <= ROUTING_MARGIN:
+            return None
         expected.append(tokens)
     return cfg, weights, prompts, expected
 
 
+def _expected(tmp_path, make_hf_model, which: str, seeds: tuple[int, ...] = (SEED,)):
+    """The case of the first of `seeds` whose transformers decisions clear the margins."""
+    for seed in seeds:
+        case = _clear_case(tmp_path, make_hf_model, which, seed)
+        if case is not None:
+            return seed, case
+    raise AssertionError(f"seeds {seeds} all rest on near-ties: transformers or torch changed; "
+                         f"pick other seeds")
+
+
 @pytest.mark.parametrize("which", sorted(CONFIGS))
 def test_greedy_tokens_equal_generate(tmp_path, which: str, make_hf_model) -> None:
-    cfg, weights, prompts, expected = _expected(tmp_path, make_hf_model, which)
-    got = run_prompts(_mpk(cfg, weights, SEED), SHAPE, prompts, NEW_TOKENS)
-    assert got == expected, f"seed {SEED}"
+    seed, (cfg, weights, prompts, expected) = _expected(tmp_path, make_hf_model, which)
+    got = run_prompts(_mpk(cfg, weights, seed), SHAPE, prompts, NEW_TOKENS)
+    assert got == expected, f"seed {seed}"
 
 
 @pytest.mark.gpu
@@ -86,13 +96,16 @@ def test_greedy_tokens_equal_generate(tmp_path, which: str, make_hf_model) -> No
 @pytest.mark.parametrize("which", sorted(CONFIGS))
 def test_greedy_tokens_equal_generate_on_cuda(tmp_path, which: str, make_hf_model) -> None:
     """Both prompts in one batch of the CUDA engine (rows choosing different experts in one
-    step, as on the CPU)."""
+    step, as on the CPU). The GPU machine's torch draws other random checkpoints from the same
+    seed, and there seed 111's top-3 model rests on a near-tie (greedy margin 0.016, routing
+    0.004; seventh session): the first clear one of CUDA_SEEDS is used (101 there)."""
     from mpk.engine.engine import Engine
 
-    cfg, weights, prompts, expected = _expected(tmp_path, make_hf_model, which)
+    seed, (cfg, weights, prompts, expected) = _expected(tmp_path, make_hf_model, which,
+                                                        CUDA_SEEDS)
     engine = Engine(cfg, weights, backend="cuda", progress=False)
     got = engine.generate(prompts, NEW_TOKENS).token_ids
-    assert got == expected, f"seed {SEED}"
+    assert got == expected, f"seed {seed}"
 
 
 def test_graph_weights_reuse_stacked_experts() -> None:
