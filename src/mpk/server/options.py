@@ -103,8 +103,9 @@ def add_prefill_chunk_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=256, metavar="C",
                    help="prompt positions per launch of the prefill plan, where the backend "
                         "runs one (the CPU interpreter; CUDA for dense models with head dims "
-                        "up to 128; default: 256); 0: none, prompts go in as runs of the "
-                        "decode batch")
+                        "up to 128; default: 256; a multiple of 64 spreads attention over "
+                        "64-row tasks, any other size gives it one task per KV head); 0: none, "
+                        "prompts go in as runs of the decode batch")
 
 
 def options_from_args(args: argparse.Namespace, backend: str) -> ServeOptions:
