@@ -108,8 +108,8 @@ def _concurrent(engine: Engine, trace: Trace) -> tuple[list[RequestHandle], floa
 
 
 def _launch_split(times: list[tuple[float, float, int]], wall_s: float) -> dict[str, Any]:
-    """Where a pass's wall time went: inside launches (inputs written, kernel, tokens read
-    back) or between them (the host: admission, token delivery, the next launch's inputs)."""
+    """Where a pass's wall time went: inside launches (the kernel, its tokens read back) or
+    between them (the host: admission, token delivery, writing the next launch's inputs)."""
     inside = sum(end - start for start, end, _ in times)
     steps = sum(n for _, _, n in times)
     gaps = [later[0] - earlier[1] for earlier, later in zip(times, times[1:])]
