@@ -78,13 +78,41 @@ def test_batched_prompts_match_single_runs() -> None:
     assert same >= 0.95 * 36, f"{got} vs {want}"
 
 
+def _short_then_long(engine, short: list[int], long: list[int], max_tokens: tuple[int, int],
+                     max_batch: int) -> tuple[list[list[int]], int]:
+    """Serve `short` on `engine` and, once its first token is out, `long` beside it: both
+    requests' tokens (of the asked lengths) and the steps the engine ran."""
+    from mpk.engine import SamplingParams
+
+    engine.start(max_batch=max_batch)
+    try:
+        first = engine.submit(short, SamplingParams(max_tokens=max_tokens[0]))
+        next(iter(first))
+        second = engine.submit(long, SamplingParams(max_tokens=max_tokens[1]))
+        got = [first.result(timeout=600).token_ids, second.result(timeout=600).token_ids]
+        steps = engine.scheduler.stats.steps
+    finally:
+        engine.stop()
+    assert [len(g) for g in got] == list(max_tokens)
+    return got, steps
+
+
+def _assert_reference_greedy(cfg, weights, prompts: list[list[int]], got: list[list[int]],
+                             max_seq: int) -> None:
+    """Greedy tokens equal to the reference model's up to rounding near-ties."""
+    from mpk.testing import greedy_mismatches
+
+    bad = greedy_mismatches(ReferenceModel(cfg, weights, max_seq=max_seq), prompts, got,
+                            near_tie=3 * 2**0.5 * REFERENCE_TOL)
+    assert not bad, "; ".join(bad)
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "qwen3-0.6b"])
 def test_prompts_fed_as_runs_match_the_reference(preset: str) -> None:
     """Chunked prefill in the batch on the GPU: a 120-token prompt arrives while a request
     decodes and is fed as a run of the spare rows (tasks/runs.py); both requests' greedy tokens
     are the reference's up to rounding near-ties, in far fewer steps than one per position."""
-    from mpk.engine import Engine, SamplingParams
-    from mpk.testing import greedy_mismatches
+    from mpk.engine import Engine
 
     cfg = get_preset(preset)
     weights = random_weights(cfg, seed=SEED)
@@ -93,21 +121,9 @@ def test_prompts_fed_as_runs_match_the_reference(preset: str) -> None:
     long = [int(t) for t in torch.randint(cfg.vocab_size, (120,), generator=gen)]
     engine = Engine(cfg, weights, backend="cuda", max_seq_len=256, steps_per_launch=8,
                     progress=False, prefill_chunk=0)  # runs, not the prefill plan
-    engine.start(max_batch=8)
-    try:
-        first = engine.submit(short, SamplingParams(max_tokens=40))
-        next(iter(first))
-        second = engine.submit(long, SamplingParams(max_tokens=16))
-        got = [first.result(timeout=600).token_ids, second.result(timeout=600).token_ids]
-        steps = engine.scheduler.stats.steps
-    finally:
-        engine.stop()
-    assert [len(g) for g in got] == [40, 16]
+    got, steps = _short_then_long(engine, short, long, (40, 16), max_batch=8)
     assert steps < 80, steps  # 120 + 15 steps for the long request one position at a time
-    near_tie = 3 * 2**0.5 * REFERENCE_TOL
-    bad = greedy_mismatches(ReferenceModel(cfg, weights, max_seq=256), [short, long], got,
-                            near_tie=near_tie)
-    assert not bad, "; ".join(bad)
+    _assert_reference_greedy(cfg, weights, [short, long], got, max_seq=256)
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-llama", "qwen3-0.6b"])
@@ -115,8 +131,7 @@ def test_prompts_fed_by_the_prefill_plan_match_the_reference(preset: str) -> Non
     """The prefill plan on the GPU (gemm, attention_prefill, take_row): a 300-token prompt goes
     in as chunks of 128 positions (so chunks 2 and 3 attend to a cached context) while another
     request decodes; both requests' greedy tokens are the reference's up to near-ties."""
-    from mpk.engine import Engine, SamplingParams
-    from mpk.testing import greedy_mismatches
+    from mpk.engine import Engine
 
     cfg = get_preset(preset)
     weights = random_weights(cfg, seed=SEED)
@@ -126,16 +141,5 @@ def test_prompts_fed_by_the_prefill_plan_match_the_reference(preset: str) -> Non
     engine = Engine(cfg, weights, backend="cuda", max_seq_len=512, steps_per_launch=8,
                     progress=False, prefill_chunk=128)
     assert engine.prefill_chunk == 128  # the CUDA engine really runs the prefill plan
-    engine.start(max_batch=4)
-    try:
-        first = engine.submit(short, SamplingParams(max_tokens=24))
-        next(iter(first))
-        second = engine.submit(long, SamplingParams(max_tokens=16))
-        got = [first.result(timeout=600).token_ids, second.result(timeout=600).token_ids]
-    finally:
-        engine.stop()
-    assert [len(g) for g in got] == [24, 16]
-    near_tie = 3 * 2**0.5 * REFERENCE_TOL
-    bad = greedy_mismatches(ReferenceModel(cfg, weights, max_seq=512), [short, long], got,
-                            near_tie=near_tie)
-    assert not bad, "; ".join(bad)
+    got, _ = _short_then_long(engine, short, long, (24, 16), max_batch=4)
+    _assert_reference_greedy(cfg, weights, [short, long], got, max_seq=512)

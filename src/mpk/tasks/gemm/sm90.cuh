@@ -23,7 +23,6 @@
 
 #include "../common/bf16.cuh"
 #include "../common/memory.cuh"
-#include "../common/reduce.cuh"
 #include "../common/split.cuh"
 #include "../common/tile.cuh"
 #include "../common/wgmma.cuh"
