@@ -11,6 +11,7 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
              linear task: pages that are not resident when a task reaches them,
   no_mma     ablation (wrong outputs, timing only): the walk reads the weights but does no MMA,
   no_wload   ablation (wrong outputs, timing only): MMAs on a made-up fragment, no weight loads,
+  attn_nokv  ablation (timing only): attention reads no cached key or value (only this step's),
   no_walkpages  the walk reads page slot 0 without waiting (finish() still waits for and
              releases every page at the task's end), no_units: the page protocol without the
              units (both timing only).
@@ -88,7 +89,13 @@ PATCHES["sparse_timer"] = {"runtime.cuh": [
     ("      for (;;) {\n        v = ptx::ld_acquire_u64(ctr);\n        if (v >= target) break;\n",
      "      for (unsigned n = 1;; ++n) {\n        v = ptx::ld_acquire_u64(ctr);\n"
      "        if (v >= target) break;\n        if (n & 63) continue;\n")]}
-RUNS = {"none": "none", "loader_lead": "loader_lead", "dchain": "dchain",
+# Attention ablations (timing only): the cached positions are masked, so only this step's own
+# key and value are attended (no K/V loads from the cache); and with no loader as well, so no
+# weight copies of later records compete with the attention's loads.
+CACHE_ROW = "    return cache + (((long long)page * c.PS + (q - pi * c.PS)) * c.KVH + hh) * D;\n"
+PATCHES["attn_nokv"] = {"attention/sm90.cuh": [(CACHE_ROW, "    return nullptr;\n")]}
+PATCHES["no_loader_attn_nokv"] = {**PATCHES["no_loader"], **PATCHES["attn_nokv"]}
+RUNS = {"none": "none", "attn_nokv": "attn_nokv", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead", "dchain": "dchain",
         "sparse_timer": "sparse_timer",
         "no_loader_no_units": "no_loader_no_units",
         "no_loader_bare_units": "no_loader_bare_units",

@@ -116,3 +116,40 @@ def test_in_place_layer_that_reads_other_tasks_tiles_is_rejected() -> None:
     with pytest.raises(GraphError, match="another task of the same layer"):
         g.add_op("linear", "proj", (4,), {"x": "x", "weight": "w", "out": "x"})
     g.add_op("linear", "one_task", (1,), {"x": "x", "weight": "w", "out": "x"})  # one task: fine
+
+
+def _attention_inputs(g: Graph) -> dict[str, str]:
+    """The tensors of a one-head, one-row decode attention op (head_dim 16, two pages of 4)."""
+    g.add_tensor("qkv", (1, 48), DType.BF16, Role.ACTIVATION)
+    g.add_tensor("positions", (1,), DType.I32, Role.IO)
+    g.add_tensor("page_table", (1, 2), DType.I32, Role.IO)
+    g.add_tensor("k_cache", (2, 4, 1, 16), DType.BF16, Role.IO)
+    g.add_tensor("v_cache", (2, 4, 1, 16), DType.BF16, Role.IO)
+    g.add_tensor("attn", (1, 16), DType.BF16, Role.ACTIVATION)
+    return {"qkv": "qkv", "rope": "rope", "positions": "positions", "page_table": "page_table",
+            "k_cache": "k_cache", "v_cache": "v_cache", "out": "attn"}
+
+
+def _rope_writer(g: Graph, name: str) -> None:
+    """A linear whose f32 output is the tensor attention takes as its RoPE table."""
+    g.add_tensor("xr", (8, 16), DType.BF16, Role.IO)
+    g.add_tensor("wr", (16, 16), DType.BF16, Role.WEIGHT)
+    g.add_op("linear", name, (1,), {"x": "xr", "weight": "wr", "out": "rope"})
+
+
+def test_prologue_operands_are_never_written() -> None:
+    # attention reads its RoPE table before its waits (task.py prologue_operands): nothing would
+    # order that read after a task that writes the table, so the graph refuses such a writer,
+    # whichever op is added first.
+    g = Graph()
+    g.add_tensor("rope", (8, 16), DType.F32, Role.ACTIVATION)
+    _rope_writer(g, "make_rope")
+    with pytest.raises(GraphError, match=r"layer 'attn' \(attention\) reads tensor 'rope' "
+                                         r"before its waits.*layer 'make_rope' writes it"):
+        g.add_op("attention", "attn", (1, 1, 1), _attention_inputs(g))
+    g = Graph()
+    g.add_tensor("rope", (8, 16), DType.F32, Role.ACTIVATION)
+    g.add_op("attention", "attn", (1, 1, 1), _attention_inputs(g))
+    with pytest.raises(GraphError, match=r"layer 'make_rope' \(linear\) writes tensor 'rope', "
+                                         r"which layer 'attn' reads before its waits"):
+        _rope_writer(g, "make_rope")

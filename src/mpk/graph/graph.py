@@ -43,6 +43,10 @@ class Graph:
         self.tensors: dict[str, TensorSpec] = {}
         self.ops: list[Op] = []
         self._op_names: set[str] = set()
+        # Tensors some op writes, and tensors some op's prologue reads (task.py
+        # prologue_operands): the two sets must stay apart.
+        self._written: dict[str, str] = {}
+        self._prologue_read: dict[str, str] = {}
 
     # ---- tensors -----------------------------------------------------------------------------
     def add_tensor(self, name: str, shape: tuple[int, ...], dtype: DType, role: Role) -> TensorSpec:
@@ -81,11 +85,32 @@ class Graph:
         task.check(view)
         _check_partition(view, task)
         _check_no_overlap_between_tasks(view, task)
+        self._check_prologue_inputs(name, task, tensors)
         op = Op(name, kind, grid3, tuple((k, v.name) for k, v in tensors.items()),
                 tuple(full.items()), tuple(sorted(merged.items())))
         self.ops.append(op)
         self._op_names.add(name)
         return op
+
+    def _check_prologue_inputs(self, name: str, task: Any, tensors: Mapping[str, TensorSpec]
+                               ) -> None:
+        """A prologue runs before its task's waits: it may read no tensor that any op writes."""
+        writes = {t.name for o, t in tensors.items() if task.operand(o).access.writes}
+        reads = {tensors[o].name for o in task.prologue_operands if o in tensors}
+        for tensor in sorted(reads):
+            if tensor in self._written or tensor in writes:
+                writer = self._written.get(tensor, name)
+                raise GraphError(f"layer '{name}' ({task.name}) reads tensor '{tensor}' before "
+                                 f"its waits (prologue), but layer '{writer}' writes it")
+        for tensor in sorted(writes):
+            if tensor in self._prologue_read:
+                raise GraphError(f"layer '{name}' ({task.name}) writes tensor '{tensor}', which "
+                                 f"layer '{self._prologue_read[tensor]}' reads before its "
+                                 f"waits (prologue)")
+        for tensor in writes:
+            self._written.setdefault(tensor, name)
+        for tensor in reads:
+            self._prologue_read.setdefault(tensor, name)
 
     def view(self, op: Op) -> OpView:
         tensors = {operand: self.tensors[t] for operand, t in op.operands}

@@ -184,6 +184,11 @@ class TaskKind:
     # (data-dependent addresses, e.g. KV-cache appends through page tables); the kind's
     # docstring says why. Exempt from the graph's no-overlap check between tasks of one op.
     disjoint_writes: ClassVar[tuple[str, ...]] = ()
+    # Operands the kind's CUDA `prologue(a)` reads BEFORE the task's waits are met (the consumers
+    # run it while the controller polls the counters, so its loads overlap the wait instead of
+    # following it). They must be tensors no op of the graph writes (host-written IO, weights):
+    # nothing orders them with other tasks. Graph.add_op checks that; the CPU semantics ignore it.
+    prologue_operands: ClassVar[tuple[str, ...]] = ()
 
     def check(self, op: OpView) -> None:
         """Raise GraphError (via op.error) when shapes, dtypes, splits or attrs are wrong."""

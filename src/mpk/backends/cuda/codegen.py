@@ -168,6 +168,12 @@ def dispatch_block(kinds: Sequence[str]) -> str:
                      for i, name in enumerate(kinds))
 
 
+def prologue_block(kinds: Sequence[str]) -> str:
+    """Cases of dispatch_prologue: the kinds with a prologue (task.py prologue_operands)."""
+    return "\n".join(f"    case {i}:\n      mpk::kinds::{name}::prologue(a);\n      break;"
+                     for i, name in enumerate(kinds) if get_kind(name).prologue_operands)
+
+
 def kind_names_block(kinds: Sequence[str]) -> str:
     # A trailing nullptr keeps the array non-empty (and doubles as an end marker).
     names = ", ".join(f'"{name}"' for name in kinds)
@@ -197,6 +203,7 @@ def render_kinds(kinds: Sequence[str], profile: bool = False, scratch_bytes: int
         "CONSTANTS": constants_block(scratch_bytes),
         "KINDS": "\n\n".join(kind_block(i, name, constants) for i, name in enumerate(kinds)),
         "DISPATCH": dispatch_block(kinds),
+        "PROLOGUES": prologue_block(kinds),
         "KIND_NAMES": kind_names_block(kinds),
     }
     template = TEMPLATE.read_text()

@@ -12,6 +12,10 @@
 //   part_o tile = part_o[b0, h0, s, 0]: (bb, hh, g, d) at + (bb*KVH + hh)*S*G*D + g*D + d
 //   part_lse tile = part_lse[b0, h0, s, 0]: (bb, hh, g) at + (bb*KVH + hh)*S*G + g
 //
+// Prologue (before the waits: task.py prologue_operands): the row's position and split range,
+// the page-table slice, the RoPE table rows of this step's positions and the norm weights go to
+// shared memory (Setup), so that after the waits the qkv read is the only global round trip
+// before the attention.
 // Phase 1 (prepare): one warp per head vector (the row's G queries, then the key and value of
 // each of this step's positions in the split's range: the row's own and, in a run, its earlier
 // rows'); lane holds d = lane + 32i. RMSNorm with a warp sum, RoPE with the partner element
@@ -66,9 +70,10 @@ struct Ctx {
 //   wo [kWarps][8][D] f32 | wm, wl [kWarps][8] f32 | ps [kWarps][2][8][16] bf16 |
 //   qs [G][D] bf16 (prepared queries) | knew, vnew [B][D] bf16 (this step's keys and values, by
 //   position from the split's first one: at most B, a run's width) |
-//   buf [kWarps][D] f32 (RoPE partners) | pages [..] i32
+//   buf [kWarps][D] f32 (RoPE partners) | pre (the prologue's Setup) | rope [B][D] f32 (the
+//   table rows of this step's positions f0 .. p) | qn, kn [D] f32 (norm weights) | pages [..] i32
 struct Layout {
-  int wo, wm, wl, ps, qs, knew, vnew, buf, pages, max_pages;
+  int wo, wm, wl, ps, qs, knew, vnew, buf, pre, rope, norm, pages, max_pages;
   __device__ Layout(const Ctx& c) {
     wo = 0;
     wm = wo + kWarps * 8 * c.D * 4;
@@ -78,7 +83,10 @@ struct Layout {
     knew = qs + ((c.G * c.D * 2 + 15) / 16) * 16;
     vnew = knew + c.B * c.D * 2;
     buf = vnew + c.B * c.D * 2;
-    pages = buf + kWarps * c.D * 4;
+    pre = buf + kWarps * c.D * 4;
+    rope = pre + 64;
+    norm = rope + c.B * c.D * 4;
+    pages = norm + 2 * c.D * 4;
     max_pages = (SMEM_BYTES - pages) / 4;
   }
 };
@@ -88,7 +96,7 @@ struct Layout {
 // the positions before p). Returns through smem; the row's own key and value also go to the
 // cache row `crow` (-1: not this split's, or no page).
 __device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* smem, int hh, int p,
-                                        int flo, int fhi, long long crow) {
+                                        int flo, int fhi, long long crow, int f0) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int W = c.G + 2, half = c.D / 2;
   bf16* qs = reinterpret_cast<bf16*>(smem + L.qs);
@@ -112,7 +120,9 @@ __device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* sme
       }
       continue;
     }
-    const float* rrow = c.rope + (long long)f * c.D;
+    // The prologue staged the table rows and the norm weights: qkv is the only global read.
+    const float* rrow = reinterpret_cast<const float*>(smem + L.rope) + (f - f0) * c.D;
+    const float* nw = reinterpret_cast<const float*>(smem + L.norm) + (query ? 0 : c.D);
     float v[kLanes], cs[kLanes], sn[kLanes], w[kLanes];
 #pragma unroll
     for (int i = 0; i < kLanes; ++i) {
@@ -122,9 +132,9 @@ __device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* sme
       if (e < c.D) {
         v[i] = dev::ld_act_bf16f(src + e);
         const int r = e < half ? e : e - half;
-        cs[i] = dev::ld_act_f32(rrow + r);
-        sn[i] = dev::ld_act_f32(rrow + half + r);
-        if (c.norm) w[i] = dev::ld_weight_bf16f((query ? c.qn : c.kn) + e);
+        cs[i] = rrow[r];
+        sn[i] = rrow[half + r];
+        if (c.norm) w[i] = nw[e];
       }
     }
     if (c.norm) {
@@ -164,8 +174,8 @@ struct Range {
 };
 
 template <int DMAX>
-__device__ __forceinline__ void attend(const Ctx& c, const Layout& L, char* smem, int bb, int hh,
-                                       int g0, int s, const Range& R) {
+__device__ __forceinline__ void attend(const mpk::TaskArgs& a, const Ctx& c, const Layout& L,
+                                       char* smem, int bb, int hh, int g0, int s, const Range& R) {
   constexpr int KJ_MAX = DMAX / 32;  // 32-d chunks
   constexpr int MT_MAX = DMAX / 16;  // m-tiles of O^T
   const int D = c.D, KJ = D / 32;
@@ -222,6 +232,26 @@ __device__ __forceinline__ void attend(const Ctx& c, const Layout& L, char* smem
     return dev::ld_act_u32(row + e);
   };
 
+  // The values of a block [pb, pb + 16) go to this warp's part of wo (free until the merge: 8 x
+  // D f32 is 16 x D bf16), two lanes per position: cached rows by cp.async, this step's rows
+  // copied from shared memory, masked rows as zeros. They land while the scores are computed.
+  bf16* vst = reinterpret_cast<bf16*>(wo + warp * 8 * D);
+  auto stage_values = [&](int pb) {
+    const int q = lane >> 1, half = D / 2;
+    const bf16* row = row_of(c.vc, vnew, pb + q);
+    bf16* dst = vst + q * D + (lane & 1) * half;
+    const int e0 = (lane & 1) * half;
+    for (int e = 0; e < half; e += 8) {
+      if (row == nullptr)
+        *reinterpret_cast<uint4*>(dst + e) = make_uint4(0u, 0u, 0u, 0u);
+      else if (in_smem(row))
+        *reinterpret_cast<uint4*>(dst + e) = *reinterpret_cast<const uint4*>(row + e0 + e);
+      else
+        dev::cp_async_act16(dst + e, row + e0 + e);
+    }
+    dev::cp_async_commit();
+  };
+
   float m0 = kNegBig, m1 = kNegBig, l0 = 0.f, l1 = 0.f;  // heads 2t, 2t+1
   float o[MT_MAX][4], ot[4] = {0.f, 0.f, 0.f, 0.f};  // 32-d groups' m-tiles, the 16-d tail's
 #pragma unroll
@@ -234,6 +264,7 @@ __device__ __forceinline__ void attend(const Ctx& c, const Layout& L, char* smem
     // ---- scores: K rows r, r+8 ----
     const bf16* ka = row_of(c.kc, knew, pb + r);
     const bf16* kb = row_of(c.kc, knew, pb + r + 8);
+    stage_values(pb);  // in flight with the keys' loads
     float sc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < KJ_MAX; ++j) {
@@ -294,16 +325,18 @@ __device__ __forceinline__ void attend(const Ctx& c, const Layout& L, char* smem
     const uint32_t bh0 = dev::lds_u32(pbase), bh1 = dev::lds_u32(pbase + 16);
     const uint32_t bl0 = dev::lds_u32(pbase + 256), bl1 = dev::lds_u32(pbase + 256 + 16);
     __syncwarp();
-    // ---- O^T += V^T P^T: V rows of positions 2t, 2t+1, 2t+8, 2t+9 ----
+    // ---- O^T += V^T P^T: V rows of positions 2t, 2t+1, 2t+8, 2t+9 (staged) ----
+    dev::cp_async_wait_all();
+    __syncwarp();  // every lane's copies of the block's values have landed
     const bf16* vr[4];
 #pragma unroll
-    for (int qd = 0; qd < 4; ++qd) vr[qd] = row_of(c.vc, vnew, pb + 2 * t + (qd & 1) + 8 * (qd >> 1));
+    for (int qd = 0; qd < 4; ++qd) vr[qd] = vst + (2 * t + (qd & 1) + 8 * (qd >> 1)) * D;
 #pragma unroll
     for (int cc = 0; cc < KJ_MAX; ++cc) {
       if (cc >= KJ) break;
       uint2 w[4];
 #pragma unroll
-      for (int qd = 0; qd < 4; ++qd) w[qd] = ld8(vr[qd], 32 * cc + 4 * r);
+      for (int qd = 0; qd < 4; ++qd) w[qd] = *reinterpret_cast<const uint2*>(vr[qd] + 32 * cc + 4 * r);
 #pragma unroll
       for (int mm = 0; mm < 2; ++mm) {
         const uint32_t w0 = mm ? w[0].y : w[0].x, w1 = mm ? w[1].y : w[1].x;
@@ -317,12 +350,13 @@ __device__ __forceinline__ void attend(const Ctx& c, const Layout& L, char* smem
     if (tail) {
       uint32_t w[4];
 #pragma unroll
-      for (int qd = 0; qd < 4; ++qd) w[qd] = ld4(vr[qd], 32 * KJ + 2 * r);
+      for (int qd = 0; qd < 4; ++qd) w[qd] = *reinterpret_cast<const uint32_t*>(vr[qd] + 32 * KJ + 2 * r);
       const uint32_t a0 = __byte_perm(w[0], w[1], 0x5410), a1 = __byte_perm(w[0], w[1], 0x7632);
       const uint32_t a2 = __byte_perm(w[2], w[3], 0x5410), a3 = __byte_perm(w[2], w[3], 0x7632);
       dev::mma_bf16_16816(ot, a0, a1, a2, a3, bh0, bh1);
       dev::mma_bf16_16816(ot, a0, a1, a2, a3, bl0, bl1);
     }
+    __syncwarp();  // the staged values are read before the next block's copies overwrite them
   }
 
   // ---- warp state -> smem ----
@@ -352,6 +386,7 @@ __device__ __forceinline__ void attend(const Ctx& c, const Layout& L, char* smem
     *reinterpret_cast<float2*>(wow + (2 * t + 1) * D + d) = make_float2(ot[1], ot[3]);
   }
   mpk::task_sync();
+  a.mark(1);  // profiling: every warp's positions are attended (the last pass's mark stays)
 
   // ---- merge the warps (fixed order) and write ----
   for (int idx = tid; idx < ng * D; idx += NUM_THREADS) {
@@ -381,15 +416,25 @@ __device__ __forceinline__ void attend(const Ctx& c, const Layout& L, char* smem
   mpk::task_sync();  // smem is reused by the next pass
 }
 
+// What the prologue leaves for run(): the row's position, cache row and this split's range.
+struct Setup {
+  int valid;  // the row's position is inside the rope table
+  int p, f0;  // f0: the first of this step's positions of the row's run (>= 0)
+  long long crow;
+  Range R;
+};
+static_assert(sizeof(Setup) <= 64, "Layout reserves 64 bytes for the prologue's Setup");
+
 // Position, cache row and this split's range for the tile's row; stages the page-table slice.
 __device__ __forceinline__ bool row_setup(const Ctx& c, const Layout& L, char* smem, int s,
-                                          int step, int& p, long long& crow, Range& R) {
+                                          int step, int& p, int& f0, long long& crow, Range& R) {
   const int bb = 0;  // positions, runs and page_table tiles start at the task's row
   int* pages = reinterpret_cast<int*>(smem + L.pages);
   const dev::RowRun run = dev::row_run(c.runs, c.row);
   const long long pos = (long long)dev::ld_act_i32(c.pos + bb) + (long long)step * run.width;
   if (pos < 0 || pos >= c.MAXPOS) return false;
   p = (int)pos;
+  f0 = max(0, p - run.index);
   const int length = p + 1;
   const int chunk = (length + c.S - 1) / c.S;
   R.lo = s * chunk;
@@ -426,10 +471,7 @@ __device__ __forceinline__ void write_empty(const Ctx& c, int bb, int hh) {
   }
 }
 
-}  // namespace detail
-
-MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
-  using namespace detail;
+__device__ __forceinline__ Ctx ctx_of(const mpk::TaskArgs& a) {
   Ctx c;
   c.B = a.i(P_BATCH);
   c.G = a.i(P_GROUP);
@@ -456,22 +498,60 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   c.out = a.operand<bf16>(O_OUT);
   c.po = a.operand<float>(O_PART_O);
   c.plse = a.operand<float>(O_PART_LSE);
-  const int s = a.point(2);
-  if (c.PS <= 0 || c.S <= 0 || c.D % 16 || c.D > ATTN_MAX_HEAD_DIM) return;  // task.py refuses
+  return c;
+}
+
+__device__ __forceinline__ bool supported(const Ctx& c) {  // task.py refuses the others
+  return c.PS > 0 && c.S > 0 && c.D % 16 == 0 && c.D <= ATTN_MAX_HEAD_DIM;
+}
+
+}  // namespace detail
+
+// Before the waits (task.py prologue_operands: positions, runs, page table, rope, norms; none is
+// written by a task): the row's position and split, the page-table slice, the table rows of this
+// step's positions and the norm weights go to shared memory, so the qkv read is the only global
+// round trip between the waits and the attention.
+MPK_TASK_ENTRY void prologue(const mpk::TaskArgs& a) {
+  using namespace detail;
+  const Ctx c = ctx_of(a);
+  if (!supported(c)) return;  // uniform; run() returns too
+  const Layout L(c);
+  Setup st;
+  st.valid = row_setup(c, L, a.smem, a.point(2), a.step, st.p, st.f0, st.crow, st.R);
+  if (st.valid) {
+    float* rope = reinterpret_cast<float*>(a.smem + L.rope);
+    const float* rows = c.rope + (long long)st.f0 * c.D;
+    for (int e = threadIdx.x; e < (st.p - st.f0 + 1) * c.D; e += NUM_THREADS)
+      rope[e] = dev::ld_act_f32(rows + e);
+    float* nw = reinterpret_cast<float*>(a.smem + L.norm);
+    for (int e = threadIdx.x; c.norm && e < c.D; e += NUM_THREADS) {
+      nw[e] = dev::ld_weight_bf16f(c.qn + e);
+      nw[c.D + e] = dev::ld_weight_bf16f(c.kn + e);
+    }
+  }
+  if (threadIdx.x == 0) *reinterpret_cast<Setup*>(a.smem + L.pre) = st;
+  mpk::task_sync();
+}
+
+MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
+  using namespace detail;
+  const Ctx c = ctx_of(a);
+  if (!supported(c)) return;
   // One KV head and one batch row per task (task.py: grid (KVH, B, S)).
   const Layout L(c);
-  int p;
-  long long crow;
-  Range R;
-  if (!row_setup(c, L, a.smem, s, a.step, p, crow, R)) {
+  const Setup st = *reinterpret_cast<const Setup*>(a.smem + L.pre);
+  if (!st.valid) {
     write_empty(c, 0, 0);
     return;
   }
-  prepare(c, L, a.smem, 0, p, R.flo, max(R.flo, R.hi), crow);
-  mpk::task_sync();  // queries, this step's keys and values, the page-table slice
+  const Range& R = st.R;
+  prepare(c, L, a.smem, 0, st.p, R.flo, max(R.flo, R.hi), st.crow, st.f0);
+  mpk::task_sync();  // queries, this step's keys and values
+  a.mark(0);  // profiling: the inputs are prepared
   // ATTN_MAX_HEAD_DIM (generated: 128, or 256 when the plan has larger heads) sizes the
   // registers; one instantiation per build keeps the smaller heads' register budget.
-  for (int g0 = 0; g0 < c.G; g0 += 8) attend<ATTN_MAX_HEAD_DIM>(c, L, a.smem, 0, 0, g0, s, R);
+  for (int g0 = 0; g0 < c.G; g0 += 8)
+    attend<ATTN_MAX_HEAD_DIM>(a, c, L, a.smem, 0, 0, g0, a.point(2), R);
 }
 
 }  // namespace mpk::kinds::attention

@@ -66,6 +66,9 @@ class Attention(TaskKind):
     # distinct positions) and a split writes only the position it attends to, so tasks' cache
     # writes never meet at run time although their boxes (all pages of the head) overlap.
     disjoint_writes = ("k_cache", "v_cache")
+    # The CUDA prologue stages the row's position, its page-table slice, the RoPE rows and the
+    # norm weights while the task waits for qkv: only the host and the bind write these.
+    prologue_operands = ("positions", "runs", "page_table", "rope", "q_norm", "k_norm")
     params = (Param("batch"), Param("group"), Param("head_dim"), Param("kv_heads"),
               Param("page_size"), Param("max_pages"), Param("num_splits"),
               Param("scale", is_float=True), Param("num_pages"), Param("max_pos"),
@@ -156,11 +159,12 @@ class Attention(TaskKind):
     def scratch_bytes(self, op: OpView) -> int:
         # sm90.cuh's Layout: per-warp (m, l, O) states, the P transposes, the prepared queries,
         # this step's keys and values (up to one per batch row: a run's width), the per-warp
-        # RoPE buffers, >= 1024 page-table entries
+        # RoPE buffers, the prologue's setup, RoPE rows (one per batch row) and norm weights,
+        # >= 1024 page-table entries
         d = op.shape("k_cache")[3]
         group, batch = self.param_values(op)["group"], op.shape("qkv")[0]
         return (8 * 8 * d * 4 + 2 * 8 * 8 * 4 + 8 * 2 * 8 * 16 * 2 + -(-group * d * 2 // 16) * 16
-                + 2 * batch * d * 2 + 8 * d * 4 + 4096)
+                + 2 * batch * d * 2 + 8 * d * 4 + 64 + batch * d * 4 + 2 * d * 4 + 4096)
 
     def reference(self, tile: Tile) -> None:
         p = self.param_values(tile.op)

@@ -19,7 +19,8 @@
 //   storer     (one lane of STORER_WARP) waits until the consumers finish a record, fences and
 //              release-adds its signal counters, and frees the slot.
 // Hand-offs are mbarriers (parity waits; every role walks the same records in the same order):
-//   slot s:  loaded (fetcher -> controller, loader), ready (controller -> consumers),
+//   slot s:  loaded (fetcher -> controller, loader, consumers' prologue), ready (controller ->
+//            consumers),
 //            done (8 consumer warps -> storer), freed (storer AND loader -> fetcher: the
 //            loader must be done reading a slot before it is refilled, even when the consumers
 //            never waited for it, e.g. records without pages)
@@ -40,6 +41,10 @@
 //   * Writes may be plain stores: each consumer warp's __syncwarp + arrive on `done`, then the
 //     storer's __threadfence + red.release.gpu publish them. Writes through the async proxy must
 //     be completed and fenced by the task itself before it returns.
+//   * A kind's prologue(a) (task.py prologue_operands) runs on the consumers BEFORE the
+//     record's waits are met: it may read only its prologue operands (tensors no task writes)
+//     and the params, write only a.smem, touch no weight page, and end with mpk::task_sync()
+//     so that run(a) sees what it staged. run(a) follows on the same threads.
 //   * A task runs on exactly NUM_THREADS threads, synchronises them with mpk::task_sync() (never
 //     __syncthreads), owns a.smem (SMEM_BYTES) for its duration only, and has every warp visit
 //     every weight page of its record in order (its copy of a.pages, finish() before returning).
@@ -355,6 +360,20 @@ __device__ __forceinline__ void storer(const Params& p, Shared& sh, int total, i
 }
 
 // ---- consumers ------------------------------------------------------------------------------------
+__device__ __forceinline__ TaskArgs task_args(const Params& p, Shared& sh, Slot& slot,
+                                              uint32_t ring, char* scratch,
+                                              const Params* task_params) {
+  const int npages = slot.stream != 0ull ? pages_of(slot.rec) : 0;
+  const PageCursor pages{ring, ptx::smem_u32(&sh.bars.full[0]), slot.page_seq, npages, -1,
+                         p.timeout_ns};
+#ifdef MPK_PROFILE
+  return TaskArgs{slot.rec, slot.params, slot.base, slot.step, scratch, task_params, pages,
+                  slot.t_mark};
+#else
+  return TaskArgs{slot.rec, slot.params, slot.base, slot.step, scratch, task_params, pages};
+#endif
+}
+
 // Little state is live across a task (the loop index; the page sequence comes with the slot), so
 // the tasks' registers never push it to local memory.
 __device__ __forceinline__ void consumers(const Params& p, Shared& sh, uint32_t ring, char* scratch,
@@ -366,9 +385,16 @@ __device__ __forceinline__ void consumers(const Params& p, Shared& sh, uint32_t 
 #ifdef MPK_PROFILE
     const unsigned long long t_wait = ptx::globaltimer();  // the consumers are free
 #endif
-    wait_or_trap(ptx::smem_u32(&sh.bars.ready[sl]), round & 1u,
-                 p.timeout_ns * INTERNAL_TIMEOUT_FACTOR * REC_MAX_WAITS);
+    const long long limit = p.timeout_ns * INTERNAL_TIMEOUT_FACTOR * REC_MAX_WAITS;
+    // The slot is resolved (fetcher) long before its counters are met (controller): a kind's
+    // prologue reads what no task writes into the scratch now, so those loads overlap the wait.
+    wait_or_trap(ptx::smem_u32(&sh.bars.loaded[sl]), round & 1u, limit);
     Slot& slot = sh.slot[sl];
+    // The arguments are rebuilt from the slot after the wait: nothing of them stays live across
+    // it (the loop's registers are the tasks' registers).
+    if (!slot.bad_kind)
+      dispatch_prologue(slot.rec[REC_KIND], task_args(p, sh, slot, ring, scratch, task_params));
+    wait_or_trap(ptx::smem_u32(&sh.bars.ready[sl]), round & 1u, limit);
     if (slot.stop) {  // uniform: every consumer thread reads the same slot
       if (tid == 0) ptx::st_release_cta(&sh.consumers_gone, 1);
       return;
@@ -380,15 +406,7 @@ __device__ __forceinline__ void consumers(const Params& p, Shared& sh, uint32_t 
       slot.t_mark[0] = slot.t_mark[1] = 0ull;  // a kind that marks overwrites them
     }
 #endif
-    const int npages = slot.stream != 0ull ? pages_of(slot.rec) : 0;
-    const PageCursor pages{ring, ptx::smem_u32(&sh.bars.full[0]), slot.page_seq, npages, -1,
-                           p.timeout_ns};
-#ifdef MPK_PROFILE
-    const TaskArgs a{slot.rec, slot.params, slot.base, slot.step, scratch, task_params, pages,
-                     slot.t_mark};
-#else
-    const TaskArgs a{slot.rec, slot.params, slot.base, slot.step, scratch, task_params, pages};
-#endif
+    const TaskArgs a = task_args(p, sh, slot, ring, scratch, task_params);
     if (!dispatch(slot.rec[REC_KIND], a)) __trap();  // the controller checked the kind id
     // Every warp is out of this task before any warp starts the next one: a task owns the
     // scratch for its whole duration (a fast warp would otherwise overwrite what a slow one
