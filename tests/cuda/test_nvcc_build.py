@@ -87,11 +87,12 @@ def test_real_task_kernels_compile_clean(cache_root: Path) -> None:
 
 
 def test_prefill_plan_kinds_compile_clean(cache_root: Path) -> None:
-    """The kinds of a prefill plan (models/prefill.py), in one megakernel. attention_prefill is
-    called out of line (its 16 x D output tile per warp crowded the inlined switch); ptxas keeps
-    8 B of the dispatch loop in local memory (12 B reloaded) and 4 B in attention_prefill (8 B
-    reloaded), with 96 B of stack for the call (sixth session). Every model's prefill plan has
-    exactly these kinds."""
+    """The kinds of a prefill plan (models/prefill.py), in one megakernel. gemm,
+    rope_append and attention_prefill are called out of line (their register tiles crowded the
+    inlined switch: rope_append's pairs in flight spilled 32 B there); ptxas keeps 8 B of the
+    dispatch loop in local memory (12 B reloaded), with 96 B of stack for the calls (eighth
+    session; attention_prefill's own 4 B went with its preparation). Every model's prefill plan
+    has exactly these kinds."""
     graph = build_prefill_graph(get_preset("tiny-qwen3"), PrefillShape(chunk=64), num_sms=4)
     kinds = sorted({op.kind for op in graph.ops})
     assert set(PREFILL_KINDS) <= set(kinds)

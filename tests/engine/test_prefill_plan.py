@@ -1,5 +1,5 @@
 """The prefill plan (models/prefill.py) on the CPU interpreter: a chunk of prompt positions per
-launch through gemm / attention_prefill / take_row. Its results do not depend on the order the
+launch through gemm / rope_append / attention_prefill / take_row. Its results do not depend on the order the
 tasks run in (so its dependencies are complete); prompts of every length around the chunk size,
 several chunks, beside decoding requests, give the reference model's greedy tokens; seeded
 sampling draws what the one-position-a-step path draws."""

@@ -1,7 +1,8 @@
-"""The prefill plan's kernels (gemm, attention_prefill, take_row; models/prefill.py) against
-the CPU interpreter: ragged rows, columns and K for the GEMM tiles, silu_mul and an in-place
-residual; causal attention over a chunk plus cached pages, GQA groups whose query vectors
-straddle passes, padding rows, invalid page entries, head dims on the vector and scalar paths,
+"""The prefill plan's kernels (gemm, rope_append, attention_prefill, take_row; models/prefill.py)
+against the CPU interpreter: ragged rows, columns and K for the GEMM tiles, silu_mul and an
+in-place residual; the chunk's queries and keys prepared and appended (rope_append), then causal
+attention over cached pages and the chunk, GQA groups whose query vectors straddle passes,
+padding rows, invalid page entries, head dims of one to several key quarters per 16-byte copy,
 rows past the rope table (kernel_helpers.py: poisoned outputs, bf16 tolerance)."""
 
 from __future__ import annotations
@@ -88,10 +89,11 @@ def prefill_attention_case(group: int, d: int, kv_heads: int = 2, chunk: int = 1
         graph.add_tensor(name, shape, I32, Role.IO)
     graph.add_tensor("k_cache", cache, BF16, Role.IO)
     graph.add_tensor("v_cache", cache, BF16, Role.IO)
+    graph.add_tensor("q", (chunk, kv_heads * group * d), BF16, Role.ACTIVATION)
     graph.add_tensor("o", (chunk, kv_heads * group * d), BF16, Role.ACTIVATION)
-    operands = {"qkv": "qkv", "rope": "rope", "positions": "positions", "chunk": "chunk",
-                "page_table": "page_table", "k_cache": "k_cache", "v_cache": "v_cache",
-                "out": "o"}
+    seq = {"rope": "rope", "positions": "positions", "chunk": "chunk",
+           "page_table": "page_table", "k_cache": "k_cache", "v_cache": "v_cache"}
+    operands = {**seq, "qkv": "qkv", "q": "q"}
     inputs = {"qkv": randn((chunk, width), torch.bfloat16, g, 2.0),
               "rope": rope_table(max_pos, d),
               "positions": torch.tensor([start], dtype=torch.int32),
@@ -100,8 +102,11 @@ def prefill_attention_case(group: int, d: int, kv_heads: int = 2, chunk: int = 1
               "v_cache": randn(cache, torch.bfloat16, g)}
     if qk_norm:
         add_qk_norms(graph, inputs, operands, d, g)
-    graph.add_op("attention_prefill", "attn", (kv_heads, blocks), operands=operands)
-    cpu, gpu = run_both(graph, inputs, ["o", "k_cache", "v_cache"])
+    graph.add_op("rope_append", "prepare", (kv_heads, blocks), operands=operands)
+    graph.add_op("attention_prefill", "attn", (kv_heads, blocks),
+                 operands={**seq, "q": "q", "out": "o"})
+    cpu, gpu = run_both(graph, inputs, ["q", "o", "k_cache", "v_cache"])
+    assert_close(cpu["q"], gpu["q"], "q")
     assert_close(cpu["o"], gpu["o"], "o")
     assert_close(cpu["k_cache"], gpu["k_cache"], "k_cache")
     assert_close(cpu["v_cache"], gpu["v_cache"], "v_cache", exact=True)
@@ -113,12 +118,14 @@ def test_prefill_attention_first_chunk():
 
 def test_prefill_attention_after_a_cached_context_with_padding_rows():
     """Positions 100 .. 149 of a 64-row chunk (14 padding rows), G = 4: 256 query vectors of a
-    task in two passes, keys from the cache (0 .. 99, not block-aligned) and the chunk."""
+    task in two passes over three key blocks (cached 0 .. 99, not block-aligned, then the
+    chunk's)."""
     prefill_attention_case(4, 64, chunk=64, blocks=1, start=100, prompt=50, seed=2)
 
 
 def test_prefill_attention_groups_straddle_passes():
-    """G = 3: a row's query heads fall in two passes; the row's key is appended by both."""
+    """G = 3: a row's query heads fall in two passes (each reads the row's key from the
+    cache)."""
     prefill_attention_case(3, 64, kv_heads=1, chunk=96, blocks=1, start=37, qk_norm=False,
                            seed=3)
 
@@ -131,7 +138,8 @@ def test_prefill_attention_invalid_page_entries():
 
 @pytest.mark.parametrize("d", [16, 80])
 def test_prefill_attention_scalar_head_dims(d):
-    """Head dims whose quarter-vectors are not whole 16-byte loads (pairs of 2 and 10)."""
+    """Head dims of two and ten 16-byte chunks a key: a quarter of one thread's copies, or
+    more, and lanes past D in rope_append."""
     prefill_attention_case(2, d, chunk=64, blocks=4, start=20, seed=d)
 
 

@@ -3,8 +3,9 @@ through the model at once (the decode graph feeds at most one position per batch
 
 Rows are positions p0 .. p0+C-1 (p0 = POSITIONS[0]; CHUNK[0] = n of them are prompt, the rest
 padding). Each layer: the input norm (`rmsnorm` over the rows), the qkv projection (a `gemm`),
-`attention_prefill` (causal over the chunk plus the sequence's cached positions, appending the
-chunk's keys and values to its pages), o_proj + residual, the post norm, gate_up (silu*mul
+`rope_append` (the chunk's queries and keys normed and rotated, its keys and values appended to
+the sequence's pages), `attention_prefill` (causal over the sequence's cached positions, the
+chunk's included), o_proj + residual, the post norm, gate_up (silu*mul
 epilogue), down + residual; then the last prompt row (`take_row`) goes through the final norm,
 lm_head and the sampler, drawing at HEAD_POSITION: the request's first token when the chunk ends
 its prompt. The weights and KV-cache tensors are the decode graph's (the same names), so the
@@ -33,7 +34,7 @@ from mpk.tensors import Role
 
 BF16, F32, I32 = DType.BF16, DType.F32, DType.I32
 QUERY_BLOCK = 64  # prompt rows per attention_prefill task (when it divides the chunk)
-PREFILL_KINDS = ("gemm", "attention_prefill", "take_row")
+PREFILL_KINDS = ("gemm", "rope_append", "attention_prefill", "take_row")
 
 
 @dataclass(frozen=True)
@@ -134,20 +135,23 @@ def _layer(g: Graph, cfg: ModelConfig, shape: PrefillShape, num_sms: int, layer:
     cache = (shape.num_pages, shape.page_size, kvh, d)
     g.add_tensor(io.k_cache(layer), cache, BF16, Role.IO)
     g.add_tensor(io.v_cache(layer), cache, BF16, Role.IO)
-    for name, cols in (("normed", h), ("qkv", width), ("attn", kvh * group * d),
-                       ("act", inter)):
+    for name, cols in (("normed", h), ("qkv", width), ("q", kvh * group * d),
+                       ("attn", kvh * group * d), ("act", inter)):
         g.add_tensor(p + name, (c, cols), BF16, Role.ACTIVATION)
     eps = cfg.rms_eps
     _norm(g, p + "input_norm", "hidden", p + "input_norm", p + "normed", c, num_sms, eps)
     g.add_op("gemm", p + "qkv", _gemm_grid(width, c, num_sms),
              {"x": p + "normed", "weight": p + "qkv_weight", "out": p + "qkv"})
-    attn = {"qkv": p + "qkv", "rope": "rope", "positions": io.POSITIONS, "chunk": io.CHUNK,
-            "page_table": io.PAGE_TABLE, "k_cache": io.k_cache(layer),
-            "v_cache": io.v_cache(layer), "out": p + "attn"}
+    seq = {"rope": "rope", "positions": io.POSITIONS, "chunk": io.CHUNK,
+           "page_table": io.PAGE_TABLE, "k_cache": io.k_cache(layer),
+           "v_cache": io.v_cache(layer)}
+    prep = {**seq, "qkv": p + "qkv", "q": p + "q"}
     if cfg.qk_norm:
-        attn.update(q_norm=p + "q_norm", k_norm=p + "k_norm")
+        prep.update(q_norm=p + "q_norm", k_norm=p + "k_norm")
     blocks = c // QUERY_BLOCK if c % QUERY_BLOCK == 0 else 1
-    g.add_op("attention_prefill", p + "attention", (kvh, blocks), attn, eps=eps)
+    g.add_op("rope_append", p + "rope_append", (kvh, blocks), prep, eps=eps)
+    g.add_op("attention_prefill", p + "attention", (kvh, blocks),
+             {**seq, "q": p + "q", "out": p + "attn"})
     g.add_op("gemm", p + "o_proj", _gemm_grid(h, c, num_sms),
              {"x": p + "attn", "weight": p + "o_weight", "residual": "hidden", "out": "hidden"})
     _norm(g, p + "post_norm", "hidden", p + "post_norm", p + "normed", c, num_sms, eps)

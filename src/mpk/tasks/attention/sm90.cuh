@@ -42,6 +42,7 @@
 #include "../common/bf16.cuh"
 #include "../common/memory.cuh"
 #include "../common/reduce.cuh"
+#include "../common/rope.cuh"
 #include "../common/runs.cuh"
 
 namespace mpk::kinds::attention {
@@ -137,31 +138,11 @@ __device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* sme
         if (c.norm) w[i] = nw[e];
       }
     }
-    if (c.norm) {
-      float ss = 0.f;
-#pragma unroll
-      for (int i = 0; i < kLanes; ++i) ss = fmaf(v[i], v[i], ss);
-      const float inv = dev::rms_inv(dev::warp_sum(ss), c.D, c.eps);
-#pragma unroll
-      for (int i = 0; i < kLanes; ++i) v[i] = dev::rmsnorm_elem(v[i], inv, w[i]);
-    }
-#pragma unroll
-    for (int i = 0; i < kLanes; ++i)
-      if (lane + 32 * i < c.D) buf[lane + 32 * i] = v[i];
-    __syncwarp();
     bf16* dst = query ? qs + j * c.D : knew + (f - flo) * c.D;
-#pragma unroll
-    for (int i = 0; i < kLanes; ++i) {
-      const int e = lane + 32 * i;
-      if (e >= c.D) continue;
-      const float o = e < half  // x1 * cos - x2 * sin | x2 * cos + x1 * sin
-                          ? __fsub_rn(__fmul_rn(v[i], cs[i]), __fmul_rn(buf[e + half], sn[i]))
-                          : __fadd_rn(__fmul_rn(v[i], cs[i]), __fmul_rn(buf[e - half], sn[i]));
-      const bf16 ob = dev::to_bf16(o);
+    dev::norm_rope(v, cs, sn, w, c.norm, c.D, c.eps, buf, [&](int e, bf16 ob) {
       dst[e] = ob;
       if (!query && own) c.kc[(crow + hh) * c.D + e] = ob;
-    }
-    __syncwarp();  // buf is rewritten by this warp's next head vector
+    });
   }
 }
 
