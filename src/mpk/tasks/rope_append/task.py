@@ -112,8 +112,9 @@ class RopeAppend(TaskKind):
                 "eps": op.attrs["eps"]}
 
     def scratch_bytes(self, op: OpView) -> int:
-        # sm90.cuh: the norm weights and each warp's RoPE partners, f32
-        return (2 + 8) * op.shape("k_cache")[3] * 4
+        # sm90.cuh: the norm weights (f32), the page entries of a block's positions (i32)
+        block = op.shape("qkv")[0] // op.grid[1]
+        return 2 * op.shape("k_cache")[3] * 4 + 4 * (block + 2)
 
     def reference(self, tile: Tile) -> None:
         num_pages, page_size, _, d = tile["k_cache"].shape
