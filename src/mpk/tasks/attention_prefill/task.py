@@ -23,10 +23,9 @@ import math
 import torch
 
 from mpk.dtypes import DType
-from mpk.tasks.attention.task import MAX_HEAD_DIM
 from mpk.tasks.base import Access, OpView, OperandSpec, Param, TaskCost, TaskKind, Tile
 from mpk.tasks.registry import register
-from mpk.tasks.rope_append.task import page_slots, prompt_rows
+from mpk.tasks.rope_append.task import check_sequence, page_slots, prompt_rows, sequence_params
 
 CUDA_MAX_HEAD_DIM = 128  # sm90.cuh holds a 16-row x D output tile per warp in registers
 
@@ -54,38 +53,21 @@ class AttentionPrefill(TaskKind):
                 "out": (1, 0, None)}
 
     def check(self, op: OpView) -> None:
-        num_pages, page_size, kv_heads, d = op.shape("k_cache")
-        op.expect_shape("v_cache", op.shape("k_cache"))
         rows, width = op.shape("q")
+        kv_heads, d = check_sequence(op, rows)
         if width % (kv_heads * d):
             raise op.error(f"q {op.shape('q')} must be [C, {kv_heads}*G*{d}]")
         op.expect_shape("out", (rows, width))
-        op.expect_shape("positions", (1,))
-        op.expect_shape("chunk", (1,))
-        op.expect_shape("rope", (op.shape("rope")[0], d))
-        if len(op.shape("page_table")) != 2 or op.shape("page_table")[0] != 1:
-            raise op.error(f"page_table must be [1, max_pages], got {op.shape('page_table')}")
-        for name in ("q", "k_cache", "v_cache", "out"):
+        for name in ("q", "out"):
             op.expect_dtype(name, DType.BF16)
-        for name in ("positions", "chunk", "page_table"):
-            op.expect_dtype(name, DType.I32)
-        op.expect_dtype("rope", DType.F32)
-        if d % 16 or not 16 <= d <= MAX_HEAD_DIM:
-            raise op.error(f"head_dim {d} is not supported: use a multiple of 16 up to "
-                           f"{MAX_HEAD_DIM}")
-        if op.grid[0] != kv_heads or op.grid[2] != 1 or rows % op.grid[1]:
-            raise op.error(f"the grid is (KV heads, query blocks dividing {rows}) = "
-                           f"({kv_heads}, QB), got {op.grid}")
         op.expect_same_split("q", 1, "k_cache", 2)
         op.expect_same_split("out", 1, "k_cache", 2)
 
     def param_values(self, op: OpView) -> dict[str, int | float]:
-        num_pages, page_size, kv_heads, d = op.shape("k_cache")
         rows, width = op.shape("q")
-        return {"group": width // (kv_heads * d), "head_dim": d, "kv_heads": kv_heads,
-                "page_size": page_size, "max_pages": op.shape("page_table")[1],
-                "num_pages": num_pages, "max_pos": op.shape("rope")[0],
-                "block": rows // op.grid[1], "scale": op.attrs["scale"] or d ** -0.5}
+        p = sequence_params(op, rows)
+        return {**p, "group": width // (p["kv_heads"] * p["head_dim"]),
+                "scale": op.attrs["scale"] or p["head_dim"] ** -0.5}
 
     def scratch_bytes(self, op: OpView) -> int:
         # sm90.cuh: queries [128][D + 8] bf16, two buffers of keys and values [64][D + 8] bf16

@@ -43,6 +43,39 @@ def page_slots(table: torch.Tensor, positions: torch.Tensor, page_size: int, num
     return torch.where(valid, pages, 0), torch.where(valid, positions % page_size, 0), valid
 
 
+def check_sequence(op: OpView, rows: int) -> tuple[int, int]:
+    """The checks rope_append and attention_prefill share: one sequence's positions, chunk,
+    page table, RoPE table and KV caches, and the grid (KV heads, row blocks dividing the C
+    rows). Returns (KV heads, head_dim)."""
+    _, _, kv_heads, d = op.shape("k_cache")
+    op.expect_shape("v_cache", op.shape("k_cache"))
+    op.expect_shape("positions", (1,))
+    op.expect_shape("chunk", (1,))
+    op.expect_shape("rope", (op.shape("rope")[0], d))
+    if len(op.shape("page_table")) != 2 or op.shape("page_table")[0] != 1:
+        raise op.error(f"page_table must be [1, max_pages], got {op.shape('page_table')}")
+    for name in ("k_cache", "v_cache"):
+        op.expect_dtype(name, DType.BF16)
+    for name in ("positions", "chunk", "page_table"):
+        op.expect_dtype(name, DType.I32)
+    op.expect_dtype("rope", DType.F32)
+    if d % 16 or not 16 <= d <= MAX_HEAD_DIM:
+        raise op.error(f"head_dim {d} is not supported: use a multiple of 16 up to "
+                       f"{MAX_HEAD_DIM}")
+    if op.grid[0] != kv_heads or op.grid[2] != 1 or rows % op.grid[1]:
+        raise op.error(f"the grid is (KV heads, row blocks dividing {rows}) = "
+                       f"({kv_heads}, RB), got {op.grid}")
+    return kv_heads, d
+
+
+def sequence_params(op: OpView, rows: int) -> dict[str, int]:
+    """The param values rope_append and attention_prefill share."""
+    num_pages, page_size, kv_heads, d = op.shape("k_cache")
+    return {"head_dim": d, "kv_heads": kv_heads, "page_size": page_size,
+            "max_pages": op.shape("page_table")[1], "num_pages": num_pages,
+            "max_pos": op.shape("rope")[0], "block": rows // op.grid[1]}
+
+
 @register
 class RopeAppend(TaskKind):
     name = "rope_append"
@@ -70,46 +103,27 @@ class RopeAppend(TaskKind):
                 "q": (1, 0, None)}
 
     def check(self, op: OpView) -> None:
-        num_pages, page_size, kv_heads, d = op.shape("k_cache")
-        op.expect_shape("v_cache", op.shape("k_cache"))
         rows, width = op.shape("qkv")
+        kv_heads, d = check_sequence(op, rows)
         if width % (kv_heads * d) or width // (kv_heads * d) < 3:
             raise op.error(f"qkv {op.shape('qkv')} must be [C, {kv_heads}*(G+2)*{d}]")
         group = width // (kv_heads * d) - 2
         op.expect_shape("q", (rows, kv_heads * group * d))
-        op.expect_shape("positions", (1,))
-        op.expect_shape("chunk", (1,))
-        op.expect_shape("rope", (op.shape("rope")[0], d))
-        if len(op.shape("page_table")) != 2 or op.shape("page_table")[0] != 1:
-            raise op.error(f"page_table must be [1, max_pages], got {op.shape('page_table')}")
         if op.has("q_norm") != op.has("k_norm"):
             raise op.error("give both q_norm and k_norm or neither")
-        for name in ("qkv", "k_cache", "v_cache", "q", *(n for n in ("q_norm", "k_norm")
-                                                           if op.has(n))):
+        for name in ("qkv", "q", *(n for n in ("q_norm", "k_norm") if op.has(n))):
             op.expect_dtype(name, DType.BF16)
-        for name in ("positions", "chunk", "page_table"):
-            op.expect_dtype(name, DType.I32)
-        op.expect_dtype("rope", DType.F32)
-        if d % 16 or not 16 <= d <= MAX_HEAD_DIM:
-            raise op.error(f"head_dim {d} is not supported: use a multiple of 16 up to "
-                           f"{MAX_HEAD_DIM}")
         for name in ("q_norm", "k_norm"):
             if op.has(name):
                 op.expect_shape(name, (d,))
-        if op.grid[0] != kv_heads or op.grid[2] != 1 or rows % op.grid[1]:
-            raise op.error(f"the grid is (KV heads, row blocks dividing {rows}) = "
-                           f"({kv_heads}, RB), got {op.grid}")
         op.expect_same_split("qkv", 1, "k_cache", 2)
         op.expect_same_split("q", 1, "k_cache", 2)
 
     def param_values(self, op: OpView) -> dict[str, int | float]:
-        num_pages, page_size, kv_heads, d = op.shape("k_cache")
         rows, width = op.shape("qkv")
-        return {"group": width // (kv_heads * d) - 2, "head_dim": d, "kv_heads": kv_heads,
-                "page_size": page_size, "max_pages": op.shape("page_table")[1],
-                "num_pages": num_pages, "max_pos": op.shape("rope")[0],
-                "block": rows // op.grid[1], "has_qk_norm": int(op.has("q_norm")),
-                "eps": op.attrs["eps"]}
+        p = sequence_params(op, rows)
+        return {**p, "group": width // (p["kv_heads"] * p["head_dim"]) - 2,
+                "has_qk_norm": int(op.has("q_norm")), "eps": op.attrs["eps"]}
 
     def scratch_bytes(self, op: OpView) -> int:
         # sm90.cuh: the norm weights (f32), the page entries of a block's positions (i32)
