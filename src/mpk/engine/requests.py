@@ -202,6 +202,16 @@ class RequestHandle:
     def tokens(self) -> list[int]:
         return list(self._tokens)
 
+    @property
+    def num_tokens(self) -> int:
+        """len(tokens), without the copy (the scheduler asks once per delivered token)."""
+        return len(self._tokens)
+
+    @property
+    def last_token(self) -> int:
+        """The last token delivered (there must be one)."""
+        return self._tokens[-1]
+
 
 def validate_prompt(prompt: Sequence[int], vocab_size: int, index: int = 0) -> list[int]:
     """The prompt as a list of ints, or InvalidRequestError naming the offending entry."""

@@ -171,7 +171,7 @@ class Scheduler:
         self._write_inputs(executor, layout, rows)
         start = time.perf_counter()
         executor.run(n)
-        produced = executor.read(io.TOKENS_OUT)
+        produced = executor.read(io.TOKENS_OUT).tolist()  # a list: indexed once per token
         end = time.perf_counter()
         self.stats.steps += n
         self.stats.launches += 1
@@ -326,29 +326,29 @@ class Scheduler:
         return layout
 
     def _write_inputs(self, executor: Executor, layout: list[_Rows], slots: int) -> None:
-        steps = self.steps_per_launch
-        prompt = torch.zeros((steps, slots), dtype=torch.int32)  # unused rows embed token 0
-        positions = torch.zeros(slots, dtype=torch.int32)
-        table = torch.full((slots, self.max_pages), io.NO_PAGE, dtype=torch.int32)
-        words = torch.zeros((slots, io.SAMPLING_WORDS), dtype=torch.int32)
-        runs = torch.zeros((slots, io.RUN_WORDS), dtype=torch.int32)
+        # Rows as Python lists, one tensor per input: per-element tensor writes cost more host
+        # time than the launch of a small model's step.
+        columns = [[0] * self.steps_per_launch for _ in range(slots)]  # unused rows embed 0
+        positions = [0] * slots
+        table = [[io.NO_PAGE] * self.max_pages for _ in range(slots)]
+        words = [[0] * io.SAMPLING_WORDS for _ in range(slots)]
+        runs = [[0] * io.RUN_WORDS for _ in range(slots)]
         for rows in layout:
             run = rows.run
-            pages = torch.tensor(run.pages, dtype=torch.int32)
             for i in range(rows.width):
                 b = rows.first + i
                 positions[b] = run.pos + i
-                table[b, : len(pages)] = pages
-                words[b] = torch.tensor(run.sampling_words, dtype=torch.int32)
-                runs[b] = torch.tensor(run_words(i, rows.width), dtype=torch.int32)
-                prompt[:, b] = torch.tensor(self._forced(rows, i), dtype=torch.int32)
-        executor.write(io.PROMPT, prompt)
-        executor.write(io.POSITIONS, positions)
-        executor.write(io.PAGE_TABLE, table)
+                table[b][: len(run.pages)] = run.pages
+                words[b] = list(run.sampling_words)
+                runs[b] = list(run_words(i, rows.width))
+                columns[b] = self._forced(rows, i)
+        executor.write(io.PROMPT, torch.tensor(columns, dtype=torch.int32).T.contiguous())
+        executor.write(io.POSITIONS, torch.tensor(positions, dtype=torch.int32))
+        executor.write(io.PAGE_TABLE, torch.tensor(table, dtype=torch.int32))
         if self.sampling:
-            executor.write(io.SAMPLING, words)
+            executor.write(io.SAMPLING, torch.tensor(words, dtype=torch.int32))
         if self.runs:
-            executor.write(io.RUNS, runs)
+            executor.write(io.RUNS, torch.tensor(runs, dtype=torch.int32))
 
     def _forced(self, rows: _Rows, i: int) -> list[int]:
         """Row i's PROMPT column: its prompt tokens; past the prompt a run row embeds token 0
@@ -363,24 +363,24 @@ class Scheduler:
             elif rows.is_run:
                 out.append(0)
             elif s == 0:
-                out.append(run.handle.tokens[-1])
+                out.append(run.handle.last_token)
             else:
                 out.append(io.NO_FORCE)
         return out
 
-    def _collect(self, rows: _Rows, produced: torch.Tensor, n: int, now: float) -> None:
+    def _collect(self, rows: _Rows, produced: list[list[int]], n: int, now: float) -> None:
         run = rows.run
         last = len(run.handle.prompt) - 1  # the position whose step yields token 0
         if rows.is_run:  # only the last prompt position's token counts
             end = run.pos + n * rows.width
             if last < end:
                 s, i = divmod(last - run.pos, rows.width)
-                self._deliver(run, int(produced[s, rows.first + i]), now)
+                self._deliver(run, produced[s][rows.first + i], now)
             run.pos = min(end, last + 1)
             return
         for s in range(n):
             if run.pos + s >= last and run.finished is None:
-                self._deliver(run, int(produced[s, rows.first]), now)
+                self._deliver(run, produced[s][rows.first], now)
         run.pos += n
 
     def _deliver(self, run: _Running, token: int, now: float) -> None:
@@ -390,7 +390,7 @@ class Scheduler:
             run.finished = FinishReason.STOP
         elif params.stop and self._stop_string(handle):
             run.finished = FinishReason.STOP
-        elif len(handle.tokens) >= params.max_tokens:
+        elif handle.num_tokens >= params.max_tokens:
             run.finished = FinishReason.LENGTH
 
     def _stop_string(self, handle: RequestHandle) -> bool:
