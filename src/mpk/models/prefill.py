@@ -100,7 +100,9 @@ def _gemm_grid(outputs: int, chunk: int, num_sms: int, columns: int = GEMM_COLUM
     (ceil(tasks / SMs) tasks of tiles / blocks tiles each), of those the fewest (a task costs
     a few microseconds of its own). The fewest blocks that merely give every SM a task left
     qwen3-8b's qkv and gate_up at C 1024 with 4 and 16 tiles on the busiest SM where 3 and 12
-    do. Narrower ranges (down to 8 outputs) where even one row tile per task leaves SMs idle."""
+    do. Narrower ranges (down to 8 outputs) where even one row tile per task leaves SMs idle,
+    as many as keep one task per SM: a task narrower than the tile costs a whole tile, so one
+    task past the SM count doubles the busiest SM's time."""
     ranges = -(-outputs // columns)
     tiles = -(-chunk // GEMM_ROWS)
 
@@ -111,7 +113,7 @@ def _gemm_grid(outputs: int, chunk: int, num_sms: int, columns: int = GEMM_COLUM
                  key=lambda b: (busiest(b), b))
     if ranges * tiles < num_sms:
         blocks = tiles
-        ranges = min(-(-num_sms // blocks), max(1, outputs // 8))
+        ranges = max(ranges, min(num_sms // blocks, outputs // 8))
     return ranges, blocks
 
 
