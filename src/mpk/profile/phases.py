@@ -8,8 +8,10 @@ to the step. Its CRITICAL task (the one whose END is last) splits the phase into
   handoff   previous op's last END -> the critical task's READY (the signal travels, the
             controller's poll sees it),
   queue     READY -> RUN (the consumers were still busy with an earlier record),
-  input     RUN -> INPUT mark (linear: x staged from L2 and normalised),
-  compute   INPUT -> COMPUTE mark (linear: warp 0's weight walk of its last block),
+  input     RUN -> INPUT mark (linear: x staged from L2 and normalised; attention: its queries,
+            keys and values prepared),
+  compute   INPUT -> COMPUTE mark (linear: warp 0's weight walk of its last block; attention:
+            every warp's positions attended, before the warps' merge),
   epilogue  COMPUTE -> DONE (outputs written, the task's last barrier),
   signal    DONE -> END (the storer's fence and counter adds).
 A phase can exceed the sum when the critical task became ready before the previous op's last
