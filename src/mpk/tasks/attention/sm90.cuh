@@ -29,9 +29,10 @@
 //     of each 32-d chunk, d 4t..4t+3 of a 16-d tail) are its A fragments as is (d order is free
 //     in a dot product); q^T comes from shared memory once per pass.
 //   Online softmax per warp in the exp2 domain on the C fragment.
-//   O^T[D][8 heads] += V^T[D][16 pos] . P^T: lane loads V rows of positions 2t, 2t+1, 2t+8, 2t+9
-//     (d 4r..4r+3 of each 32-d group, 2r..2r+1 of a 16-d tail) and builds A fragments with byte
-//     permutes; P goes through a 512-byte per-warp transpose, split into bf16 hi + lo parts (two
+//   O^T[D][8 heads] += V^T[D][16 pos] . P^T: the block's V rows are copied into the warp's part
+//     of wo (cp.async, issued right after the K loads, so they land during the scores); lane
+//     reads rows of positions 2t, 2t+1, 2t+8, 2t+9 there (d 4r..4r+3 of each 32-d group,
+//     2r..2r+1 of a 16-d tail) and builds A fragments with byte permutes; P goes through a 512-byte per-warp transpose, split into bf16 hi + lo parts (two
 //     MMAs) so that P keeps ~16 bits (the reference multiplies fp32 probabilities).
 //   Warps take 16-position blocks round-robin; their (m, l, O) states merge in smem in warp order.
 // head_dim: any multiple of 16 up to 256 (task.py checks); DMAX = 128 or 256 sizes the registers.
