@@ -14,6 +14,7 @@ import torch
 from mpk.backends.registry import create_executor
 from mpk.compiler.lower import compile_graph
 from mpk.engine import Engine, SamplingParams
+from mpk.errors import UnsupportedError
 from mpk.models import decode_io as io
 from mpk.models.builder import graph_weights
 from mpk.models.config import get_preset
@@ -160,3 +161,82 @@ def test_the_plans_of_an_engine_share_one_fp32_copy_of_the_weights() -> None:
     assert runner.chunk is not None
     for name in ("layers.0.qkv_weight", "embed"):
         assert runner.executor.tensors[name].data_ptr() == runner.chunk.tensors[name].data_ptr()
+
+
+def _launch(ex, chunk: int, pieces: list[tuple[list[int], int, int]], segments: int) -> None:
+    """One launch of `pieces` (tokens, first position, first row) on a plan of `segments`."""
+    ids = torch.zeros(1, chunk, dtype=torch.int32)
+    positions, lengths, starts = [0] * segments, [0] * segments, [chunk - 1] * segments
+    for s, (tokens, p0, row) in enumerate(pieces):
+        ids[0, row: row + len(tokens)] = torch.tensor(tokens)
+        positions[s], lengths[s], starts[s] = p0, len(tokens), row
+    values = {io.PROMPT: ids, io.POSITIONS: positions, io.CHUNK: lengths,
+              io.HEAD_POSITION: [p + max(n, 1) - 1 for p, n in zip(positions, lengths)]}
+    if segments > 1:
+        values[io.STARTS] = starts
+    for key, value in values.items():
+        ex.write(key, torch.as_tensor(value, dtype=torch.int32))
+    ex.run(1)
+
+
+def test_a_packed_chunk_computes_each_sequence_as_its_own_launch() -> None:
+    """Three sequences in one 256-row chunk (segments from rows 0, 64 and 192; one continues
+    after 40 cached positions), in free task order with poisoned buffers: each segment's token
+    and keys equal those of the sequence run alone through the one-segment plan."""
+    cfg = get_preset("tiny-qwen3")
+    weights = random_weights(cfg, seed=SEED)
+    chunk, per_seq = 256, 16
+    prompts = [prompt_of(50, 1), prompt_of(70, 2), prompt_of(20, 3)]
+    gen = torch.Generator().manual_seed(SEED)
+    tables = torch.randperm(3 * per_seq, generator=gen).int().reshape(3, per_seq)
+    noise = {f: torch.randn((3 * per_seq, 8, cfg.num_kv_heads, cfg.head_dim), generator=gen)
+             .bfloat16() for f in ("k", "v")}
+
+    def executor(segments: int):
+        shape = PrefillShape(chunk=chunk, page_size=8, max_pages=per_seq,
+                             num_pages=3 * per_seq, segments=segments)
+        plan = compile_graph(build_prefill_graph(cfg, shape, num_sms=4), num_sms=4)
+        ex = create_executor(plan, "cpu", poison=True, order="free", seed=SEED)
+        prepared = graph_weights(cfg, weights, shape.max_seq_len)
+        for t in plan.tensors:
+            if t.role == "weight":
+                ex.bind(t.name, prepared[t.name])
+            elif t.name.startswith(("k_cache", "v_cache")):
+                ex.bind(t.name, noise[t.name[0]].clone())
+            elif t.role == "io":
+                ex.bind(t.name, torch.zeros(t.shape, dtype=torch.int32))
+        return ex
+
+    packed = executor(3)
+    packed.write(io.PAGE_TABLE, tables[[1, 0, 2]])  # segment 0 holds sequence 1 at first
+    _launch(packed, chunk, [(prompts[1][:40], 0, 0)], 3)
+    packed.write(io.PAGE_TABLE, tables)
+    _launch(packed, chunk, [(prompts[0], 0, 0), (prompts[1][40:], 40, 64), (prompts[2], 0, 192)],
+            3)
+    tokens = packed.read(io.TOKENS_OUT)[0].tolist()
+    for seq, prompt in enumerate(prompts):
+        alone = executor(1)
+        alone.write(io.PAGE_TABLE, tables[seq: seq + 1])
+        cuts = [(0, 40), (40, 70)] if seq == 1 else [(0, len(prompt))]
+        for lo, hi in cuts:
+            _launch(alone, chunk, [(prompt[lo:hi], lo, 0)], 1)
+        assert tokens[seq] == int(alone.read(io.TOKENS_OUT)[0, 0]), f"sequence {seq}"
+        for layer in range(cfg.num_layers):
+            pages = tables[seq].long()
+            for name in (io.k_cache(layer), io.v_cache(layer)):
+                assert torch.equal(packed.read(name)[pages], alone.read(name)[pages]), \
+                    f"sequence {seq}, {name}"
+
+
+def test_the_cuda_build_refuses_packed_chunks() -> None:
+    """The CUDA prefill kernels read one segment: a plan of several is refused before nvcc, with
+    the layer named, never compiled into wrong answers."""
+    from mpk.backends.cuda import build
+
+    shape = PrefillShape(chunk=128, page_size=8, max_pages=4, num_pages=8, segments=2)
+    plan = compile_graph(build_prefill_graph(get_preset("tiny-qwen3"), shape, num_sms=4),
+                         num_sms=4)
+    with pytest.raises(UnsupportedError, match=r"layer 'layers\.0\.rope_append' .*one sequence"):
+        build.build_plan(plan, arch="sm_90a")
+    with pytest.raises(UnsupportedError, match="at least as many 64-row blocks"):
+        PrefillShape(chunk=96, segments=2)

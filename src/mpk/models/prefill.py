@@ -43,10 +43,15 @@ class PrefillShape:
     page_size: int = 16
     max_pages: int = 64
     num_pages: int = 64
+    segments: int = 1  # S: sequences a launch may hold, each from a QUERY_BLOCK boundary
 
     def __post_init__(self) -> None:
-        if min(self.chunk, self.page_size, self.max_pages, self.num_pages) <= 0:
+        if min(self.chunk, self.page_size, self.max_pages, self.num_pages, self.segments) <= 0:
             raise UnsupportedError(f"invalid prefill shape {self}")
+        if self.segments > 1 and (self.chunk % QUERY_BLOCK or
+                                  self.segments > self.chunk // QUERY_BLOCK):
+            raise UnsupportedError(f"{self.segments} segments need a chunk of at least as many "
+                                   f"{QUERY_BLOCK}-row blocks, got {self.chunk} rows")
 
     @property
     def max_seq_len(self) -> int:
@@ -72,12 +77,13 @@ def build_prefill_graph(cfg: ModelConfig, shape: PrefillShape, num_sms: int) -> 
     if cfg.is_moe:
         raise UnsupportedError("prefill plans cover dense models; MoE prompts run as decode runs")
     g = Graph()
-    c, h = shape.chunk, cfg.hidden_size
-    for name, dims in ((io.PROMPT, (1, c)), (io.POSITIONS, (1,)), (io.CHUNK, (1,)),
-                       (io.HEAD_POSITION, (1,)), (io.PAGE_TABLE, (1, shape.max_pages)),
-                       (io.TOKENS_OUT, (1, 1)), (io.SAMPLING, (1, io.SAMPLING_WORDS))):
+    c, h, s = shape.chunk, cfg.hidden_size, shape.segments
+    for name, dims in ((io.PROMPT, (1, c)), (io.POSITIONS, (s,)), (io.CHUNK, (s,)),
+                       (io.HEAD_POSITION, (s,)), (io.PAGE_TABLE, (s, shape.max_pages)),
+                       (io.TOKENS_OUT, (1, s)), (io.SAMPLING, (s, io.SAMPLING_WORDS)),
+                       *(((io.STARTS, (s,)),) if s > 1 else ())):
         g.add_tensor(name, dims, I32, Role.IO)
-    g.add_tensor(io.TOKENS, (1,), I32, Role.ACTIVATION)
+    g.add_tensor(io.TOKENS, (s,), I32, Role.ACTIVATION)
     g.add_tensor("row_tokens", (c,), I32, Role.ACTIVATION)  # unread: every row is forced
     g.add_tensor("embed", (cfg.vocab_size, h), BF16, Role.WEIGHT)
     g.add_tensor("rope", (shape.max_seq_len, cfg.head_dim), F32, Role.WEIGHT)
@@ -86,11 +92,16 @@ def build_prefill_graph(cfg: ModelConfig, shape: PrefillShape, num_sms: int) -> 
              {"tokens": "row_tokens", "prompt": io.PROMPT, "table": "embed", "out": "hidden"})
     for layer in range(cfg.num_layers):
         _layer(g, cfg, shape, num_sms, layer)
-    g.add_tensor("last_hidden", (1, h), BF16, Role.ACTIVATION)
+    g.add_tensor("last_hidden", (s, h), BF16, Role.ACTIVATION)
     g.add_op("take_row", "last_row", (1,), {"x": "hidden", "chunk": io.CHUNK,
-                                            "out": "last_hidden"})
-    lm_head(g, cfg, 1, num_sms, "last_hidden", io.HEAD_POSITION, None)
+                                            "out": "last_hidden", **_starts(shape)})
+    lm_head(g, cfg, s, num_sms, "last_hidden", io.HEAD_POSITION, None)
     return g
+
+
+def _starts(shape: PrefillShape) -> dict[str, str]:
+    """The STARTS operand of the segment-aware ops (one segment: none, it starts at row 0)."""
+    return {"starts": io.STARTS} if shape.segments > 1 else {}
 
 
 def _gemm_grid(outputs: int, chunk: int, num_sms: int, columns: int = GEMM_COLUMNS
@@ -146,7 +157,7 @@ def _layer(g: Graph, cfg: ModelConfig, shape: PrefillShape, num_sms: int, layer:
              {"x": p + "normed", "weight": p + "qkv_weight", "out": p + "qkv"})
     seq = {"rope": "rope", "positions": io.POSITIONS, "chunk": io.CHUNK,
            "page_table": io.PAGE_TABLE, "k_cache": io.k_cache(layer),
-           "v_cache": io.v_cache(layer)}
+           "v_cache": io.v_cache(layer), **_starts(shape)}
     prep = {**seq, "qkv": p + "qkv", "q": p + "q"}
     if cfg.qk_norm:
         prep.update(q_norm=p + "q_norm", k_norm=p + "k_norm")

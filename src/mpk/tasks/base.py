@@ -220,6 +220,11 @@ class TaskKind:
         return None
 
     # ---- the CUDA runtime -----------------------------------------------------------------
+    def cuda_unsupported(self, op: OpView) -> str | None:
+        """Why the kind's CUDA kernel cannot run this op (the CUDA build refuses the plan with
+        it), or None. The interpreter runs every op its check() accepts."""
+        return None
+
     def scratch_bytes(self, op: OpView) -> int:
         """Shared memory one task of this op needs (TaskArgs::smem); the plan's largest sets the
         runtime's scratch size, and the rest of shared memory becomes weight pages."""

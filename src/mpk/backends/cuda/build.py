@@ -26,6 +26,7 @@ from pathlib import Path
 from mpk import env
 from mpk.compiler.plan import Plan
 from mpk.errors import CompileError, UnsupportedError
+from mpk.tasks.registry import get_kind
 
 from . import codegen
 
@@ -194,6 +195,10 @@ def build_plan(plan: Plan, *, arch: str | None = None, extra_includes: Sequence[
     if missing:
         raise CompileError(f"no CUDA code ({codegen.ARCH_SUFFIX}.cuh) for task kind(s) "
                            f"{', '.join(missing)} used by this plan")
+    for index, op in enumerate(plan.ops):
+        reason = get_kind(op.kind).cuda_unsupported(plan.op_view(index))
+        if reason is not None:
+            raise UnsupportedError(f"layer '{op.name}' ({op.kind}): {reason}")
     return compile_source(codegen.render(plan, profile), arch=arch, extra_includes=extra_includes,
                           cache_root=cache_root)
 

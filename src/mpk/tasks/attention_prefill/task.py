@@ -12,6 +12,8 @@ Row i < n (position p = p0 + i) of KV head h attends to positions [0, p] of the 
 `attention`, a position whose page entry is outside the page table or the pool is masked out,
 and a row that sees no position writes zeros. Padding rows write zeros.
 Grid (KVH, QB): task (h, j) takes rows [j*C/QB, (j+1)*C/QB) (QB divides C).
+Segments (several sequences in one chunk: starts, as for rope_append): a row attends to the
+positions of its own segment's sequence, through that segment's page-table row.
 
 CUDA (sm90.cuh): flash attention on tensor cores, head dims up to CUDA_MAX_HEAD_DIM.
 """
@@ -25,7 +27,8 @@ import torch
 from mpk.dtypes import DType
 from mpk.tasks.base import Access, OpView, OperandSpec, Param, TaskCost, TaskKind, Tile
 from mpk.tasks.registry import register
-from mpk.tasks.rope_append.task import check_sequence, page_slots, prompt_rows, sequence_params
+from mpk.tasks.rope_append.task import (check_sequence, cuda_one_segment, page_slots,
+                                         segment_rows, sequence_params)
 
 CUDA_MAX_HEAD_DIM = 128  # sm90.cuh holds a 16-row x D output tile per warp in registers
 
@@ -42,6 +45,7 @@ class AttentionPrefill(TaskKind):
         OperandSpec("k_cache", Access.READ),
         OperandSpec("v_cache", Access.READ),
         OperandSpec("out", Access.WRITE),
+        OperandSpec("starts", Access.READ, optional=True),
     )
     params = (Param("group"), Param("head_dim"), Param("kv_heads"), Param("page_size"),
               Param("max_pages"), Param("num_pages"), Param("max_pos"), Param("block"),
@@ -75,34 +79,41 @@ class AttentionPrefill(TaskKind):
         d = op.shape("k_cache")[3]
         return 2 * (128 + 4 * 64) * (d + 8) + 2 * 64 * 4 + 256 + 4 * op.shape("page_table")[1]
 
+    def cuda_unsupported(self, op: OpView) -> str | None:
+        return cuda_one_segment(op)
+
     def reference(self, tile: Tile) -> None:
         num_pages, page_size, _, d = tile["k_cache"].shape
         block, width = tile["q"].shape
         group = width // d
         r0 = tile.point[1] * block
-        p0 = int(tile["positions"][0])
-        n = prompt_rows(int(tile["chunk"][0]), p0, tile["rope"].shape[0])
+        seg, pos, live = segment_rows(tile, torch.arange(r0, r0 + block))
         tile["out"].zero_()
-        hi = max(0, min(block, n - r0))  # this task's prompt rows: tile rows 0 .. hi-1
-        if hi == 0:
-            return
         scale = tile.attr("scale") or d ** -0.5
-        last = p0 + r0 + hi  # positions [0, last) are seen by some row of the block
-        pos = torch.arange(last)
-        pages, slots, valid = page_slots(tile["page_table"][0], pos, page_size, num_pages)
-        keys = tile["k_cache"][pages, slots, 0].float()  # [last, D]
+        for s in seg[live].unique().tolist():  # the segments of this task's prompt rows
+            rows = (live & (seg == s)).nonzero()[:, 0]
+            tile["out"][rows] = self._attend(tile, s, tile["q"][rows], pos[rows], group,
+                                             scale).to(tile["out"].dtype)
+
+    @staticmethod
+    def _attend(tile: Tile, s: int, q: torch.Tensor, pos: torch.Tensor, group: int,
+                scale: float) -> torch.Tensor:
+        """Rows q [n, G*D] at positions pos of segment s over positions [0, pos] of its
+        sequence: [n, G*D] fp32."""
+        num_pages, page_size, _, d = tile["k_cache"].shape
+        keys_at = torch.arange(int(pos.max()) + 1)
+        pages, slots, valid = page_slots(tile["page_table"][s], keys_at, page_size, num_pages)
+        keys = tile["k_cache"][pages, slots, 0].float()  # [L, D]
         values = tile["v_cache"][pages, slots, 0].float()
-        q = tile["q"][:hi].float().reshape(hi, group, d)
-        scores = torch.einsum("igd,ld->igl", q, keys) * scale
-        rows = torch.arange(p0 + r0, p0 + r0 + hi)
-        visible = (pos[None, :] <= rows[:, None]) & valid[None, :]
+        scores = torch.einsum("igd,ld->igl", q.float().reshape(len(pos), group, d), keys) * scale
+        visible = (keys_at[None, :] <= pos[:, None]) & valid[None, :]
         scores = scores.masked_fill(~visible[:, None, :], -math.inf)
         # attention's arithmetic: exp(s - logsumexp) against fp32 values; a row that sees no
         # position (every page entry invalid) gets zeros
         lse = torch.logsumexp(scores, dim=-1, keepdim=True)
         o = torch.einsum("igl,ld->igd", torch.exp(scores - lse), values)
         o = torch.where(torch.isfinite(lse), o, torch.zeros_like(o))
-        tile["out"][:hi].copy_(o.reshape(hi, group * d))
+        return o.reshape(len(pos), group * d)
 
     def cost(self, op: OpView) -> TaskCost:
         # The chunk's keys and values of one head, against a block of queries of its G heads

@@ -142,7 +142,7 @@ __device__ __noinline__ void run_task(const mpk::TaskArgs& a) {
   c.q = reinterpret_cast<bf16*>(a.base[O_Q]) + (long long)h * c.G * c.D;
   c.p0 = dev::ld_act_i32(reinterpret_cast<const int*>(a.base[O_POSITIONS]));
   const int chunk = dev::ld_act_i32(reinterpret_cast<const int*>(a.base[O_CHUNK]));
-  // task.py prompt_rows: rows at positions past the rope table (or p0 < 0) are padding
+  // rope_append/task.py segment_rows: rows past the rope table (or p0 < 0) are padding
   c.n = c.p0 < 0 ? 0 : max(0, min(chunk, a.i(P_MAX_POS) - c.p0));
   if (c.PS <= 0 || c.D % 16 || c.D > 256) return;  // task.py refuses these
   // Shared: the norm weights as floats, then the page entries of the task's prompt rows.

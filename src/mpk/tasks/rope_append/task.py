@@ -13,6 +13,11 @@ Row i < n (position p = p0 + i), KV head h:
   is inside the page table and the pool (otherwise nowhere).
 Padding rows (i >= n, or positions outside [0, max_pos)) write zero queries and nothing to the
 caches. Grid (KVH, RB): task (h, j) takes rows [j*C/RB, (j+1)*C/RB) (RB divides C).
+
+Several sequences (segments) may share a chunk: positions, chunk [S] i32, page_table [S,
+max_pages] and starts [S] i32 (segment s holds rows starts[s] .. starts[s] + chunk[s] - 1 at
+positions positions[s] ..., through page-table row s; the host keeps segments apart). Without
+starts there is one segment at row 0. The CUDA kernels take one segment (cuda_unsupported).
 """
 
 from __future__ import annotations
@@ -26,21 +31,31 @@ from mpk.tasks.numerics import bf16, rmsnorm_rows
 from mpk.tasks.registry import register
 
 
-def prompt_rows(chunk: int, p0: int, max_pos: int) -> int:
-    """How many of a chunk's rows are prompt positions inside the rope table."""
-    return max(0, min(chunk, max_pos - p0)) if p0 >= 0 else 0
-
-
 def page_slots(table: torch.Tensor, positions: torch.Tensor, page_size: int, num_pages: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(pages, slots, valid) of positions through a page-table row: valid is False where the
-    entry is outside the table or the pool (the position is then neither written nor attended;
-    its page and slot are 0)."""
+    """(pages, slots, valid) of positions through a page-table row [max_pages] (or one row per
+    position, [n, max_pages]): valid is False where the entry is outside the table or the pool
+    (the position is then neither written nor attended; its page and slot are 0)."""
+    rows = table.expand(len(positions), -1) if table.dim() == 1 else table
     index = positions // page_size
-    inside = index < table.shape[0]
-    pages = table[index.clamp(max=table.shape[0] - 1)].long()
+    inside = index < rows.shape[1]
+    pages = rows.gather(1, index.clamp(max=rows.shape[1] - 1)[:, None].long())[:, 0].long()
     valid = inside & (pages >= 0) & (pages < num_pages)
     return torch.where(valid, pages, 0), torch.where(valid, positions % page_size, 0), valid
+
+
+def segment_rows(tile: Tile, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                          torch.Tensor]:
+    """(segment, position, live) of chunk rows: the segment whose rows hold the row, the row's
+    position in it; live is False for padding (in no segment's prompt rows inside the rope
+    table)."""
+    p0, n = tile["positions"].long(), tile["chunk"].long()
+    starts = tile["starts"].long() if tile.has("starts") else torch.zeros_like(p0)
+    max_pos = tile["rope"].shape[0]
+    prompt = torch.where(p0 >= 0, (torch.minimum(n, max_pos - p0)).clamp(min=0), 0)
+    inside = (rows[:, None] >= starts[None, :]) & (rows[:, None] < (starts + prompt)[None, :])
+    seg = inside.int().argmax(dim=1)  # the first segment holding the row
+    return seg, p0[seg] + rows - starts[seg], inside.any(dim=1)
 
 
 def check_sequence(op: OpView, rows: int) -> tuple[int, int]:
@@ -49,15 +64,10 @@ def check_sequence(op: OpView, rows: int) -> tuple[int, int]:
     rows). Returns (KV heads, head_dim)."""
     _, _, kv_heads, d = op.shape("k_cache")
     op.expect_shape("v_cache", op.shape("k_cache"))
-    op.expect_shape("positions", (1,))
-    op.expect_shape("chunk", (1,))
+    check_segments(op)
     op.expect_shape("rope", (op.shape("rope")[0], d))
-    if len(op.shape("page_table")) != 2 or op.shape("page_table")[0] != 1:
-        raise op.error(f"page_table must be [1, max_pages], got {op.shape('page_table')}")
     for name in ("k_cache", "v_cache"):
         op.expect_dtype(name, DType.BF16)
-    for name in ("positions", "chunk", "page_table"):
-        op.expect_dtype(name, DType.I32)
     op.expect_dtype("rope", DType.F32)
     if d % 16 or not 16 <= d <= MAX_HEAD_DIM:
         raise op.error(f"head_dim {d} is not supported: use a multiple of 16 up to "
@@ -66,6 +76,36 @@ def check_sequence(op: OpView, rows: int) -> tuple[int, int]:
         raise op.error(f"the grid is (KV heads, row blocks dividing {rows}) = "
                        f"({kv_heads}, RB), got {op.grid}")
     return kv_heads, d
+
+
+def check_segments(op: OpView) -> int:
+    """positions, chunk [S], page_table [S, max_pages] (when the op has it) and starts [S]
+    (required when S > 1), all i32. Returns S."""
+    segments = op.shape("positions")[0] if len(op.shape("positions")) == 1 else 0
+    if segments < 1:
+        raise op.error(f"positions must be [S], got {op.shape('positions')}")
+    op.expect_shape("chunk", (segments,))
+    names = ["positions", "chunk"]
+    if op.has("page_table"):
+        if len(op.shape("page_table")) != 2 or op.shape("page_table")[0] != segments:
+            raise op.error(f"page_table must be [{segments}, max_pages], got "
+                           f"{op.shape('page_table')}")
+        names.append("page_table")
+    if op.has("starts"):
+        op.expect_shape("starts", (segments,))
+        names.append("starts")
+    elif segments > 1:
+        raise op.error(f"{segments} segments need 'starts' (each segment's first row)")
+    for name in names:
+        op.expect_dtype(name, DType.I32)
+    return segments
+
+
+def cuda_one_segment(op: OpView) -> str | None:
+    """The prefill kinds' CUDA kernels read segment 0 only."""
+    if op.shape("positions")[0] > 1:
+        return "the CUDA prefill kernels take one sequence a chunk (no 'starts' segments yet)"
+    return None
 
 
 def sequence_params(op: OpView, rows: int) -> dict[str, int]:
@@ -90,6 +130,7 @@ class RopeAppend(TaskKind):
         OperandSpec("k_cache", Access.READ_WRITE),
         OperandSpec("v_cache", Access.READ_WRITE),
         OperandSpec("q", Access.WRITE),
+        OperandSpec("starts", Access.READ, optional=True),
     )
     params = (Param("group"), Param("head_dim"), Param("kv_heads"), Param("page_size"),
               Param("max_pages"), Param("num_pages"), Param("max_pos"), Param("block"),
@@ -130,27 +171,30 @@ class RopeAppend(TaskKind):
         block = op.shape("qkv")[0] // op.grid[1]
         return 2 * op.shape("k_cache")[3] * 4 + 4 * (block + 2)
 
+    def cuda_unsupported(self, op: OpView) -> str | None:
+        return cuda_one_segment(op)
+
     def reference(self, tile: Tile) -> None:
         num_pages, page_size, _, d = tile["k_cache"].shape
         block = tile["qkv"].shape[0]
         group = tile["q"].shape[1] // d
         r0 = tile.point[1] * block
-        p0 = int(tile["positions"][0])
-        n = prompt_rows(int(tile["chunk"][0]), p0, tile["rope"].shape[0])
+        seg, pos, live = segment_rows(tile, torch.arange(r0, r0 + block))
         tile["q"].zero_()
-        hi = max(0, min(block, n - r0))  # this task's prompt rows: tile rows 0 .. hi-1
-        if hi == 0:
+        rows = live.nonzero()[:, 0]  # this task's prompt rows (tile rows)
+        if len(rows) == 0:
             return
-        vecs = tile["qkv"][:hi].float().reshape(hi, group + 2, d)
+        seg, pos = seg[rows], pos[rows]
+        vecs = tile["qkv"][rows].float().reshape(len(rows), group + 2, d)
         q, k, v = vecs[:, :group], vecs[:, group], vecs[:, group + 1]
         if tile.has("q_norm"):
             q = rmsnorm_rows(q, tile["q_norm"], tile.attr("eps"))
             k = rmsnorm_rows(k, tile["k_norm"], tile.attr("eps"))
-        pos = torch.arange(p0 + r0, p0 + r0 + hi)
         cos, sin = tile["rope"][pos, : d // 2], tile["rope"][pos, d // 2:]
-        tile["q"][:hi].copy_(bf16(rope_rotate(q, cos[:, None], sin[:, None])).reshape(hi, -1))
+        tile["q"][rows] = bf16(rope_rotate(q, cos[:, None], sin[:, None])).reshape(
+            len(rows), -1).to(tile["q"].dtype)
         k = bf16(rope_rotate(k, cos, sin))
-        pages, slots, valid = page_slots(tile["page_table"][0], pos, page_size, num_pages)
+        pages, slots, valid = page_slots(tile["page_table"][seg], pos, page_size, num_pages)
         tile["k_cache"][pages[valid], slots[valid], 0] = k[valid].to(tile["k_cache"].dtype)
         tile["v_cache"][pages[valid], slots[valid], 0] = v[valid].to(tile["v_cache"].dtype)
 
