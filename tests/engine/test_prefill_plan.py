@@ -18,7 +18,8 @@ from mpk.errors import UnsupportedError
 from mpk.models import decode_io as io
 from mpk.models.builder import graph_weights
 from mpk.models.config import get_preset
-from mpk.models.prefill import PrefillShape, build_prefill_graph, supports_prefill
+from mpk.models.prefill import (PrefillShape, build_prefill_graph, prefill_segments,
+                                supports_prefill)
 from mpk.models.reference import ReferenceModel
 from mpk.models.weights import random_weights
 from mpk.testing import greedy_mismatches
@@ -240,3 +241,26 @@ def test_the_cuda_build_refuses_packed_chunks() -> None:
         build.build_plan(plan, arch="sm_90a")
     with pytest.raises(UnsupportedError, match="at least as many 64-row blocks"):
         PrefillShape(chunk=96, segments=2)
+
+
+def test_prompts_packed_into_chunk_launches_match_the_reference(monkeypatch) -> None:
+    """A 128-row chunk packs two prompts (one a 64-row block each; a longer one alone): five
+    prompts at once give the reference model's greedy tokens, and launches did hold two."""
+    from mpk.engine.scheduler import Scheduler
+
+    packed: list[int] = []
+    launch = Scheduler._chunk_launch
+
+    def spy(self, pieces):
+        packed.append(len(pieces))
+        return launch(self, pieces)
+
+    monkeypatch.setattr(Scheduler, "_chunk_launch", spy)
+    engine, cfg, weights = engine_for("tiny-qwen3", prefill_chunk=128)
+    prompts = [prompt_of(n, salt=n) for n in (40, 21, 60, 130, 9)]
+    result = engine.generate(prompts, max_new_tokens=5)
+    bad = greedy_mismatches(ReferenceModel(cfg, weights, max_seq=160), prompts,
+                            result.token_ids)
+    assert not bad, "; ".join(bad)
+    assert engine._segments(len(prompts)) == 2 and max(packed) == 2
+    assert prefill_segments("cuda", 128, 16) == 1 and prefill_segments("cpu", 96, 16) == 1

@@ -33,7 +33,8 @@ from mpk.errors import MpkError
 from mpk.graph.graph import DEFAULT_NUM_SMS, Graph
 from mpk.models.builder import DecodeShape, build_graph, graph_weights
 from mpk.models.config import ModelConfig
-from mpk.models.prefill import PrefillShape, build_prefill_graph, supports_prefill
+from mpk.models.prefill import (PrefillShape, build_prefill_graph, prefill_segments,
+                                supports_prefill)
 from mpk.parallel.tp import TensorParallel
 from mpk.tasks.linear.task import MAX_BATCH
 
@@ -266,7 +267,8 @@ class Engine:
                          self.options.steps_per_launch, detokenize=detokenize,
                          wide=wide_plan if wider else None,
                          chunk=chunk_plan if chunked else None,
-                         chunk_size=self.options.prefill_chunk)
+                         chunk_size=self.options.prefill_chunk,
+                         chunk_segments=self._segments(batch))
 
     @property
     def _chunked(self) -> bool:
@@ -280,13 +282,18 @@ class Engine:
         runs of its decode batch (no prefill plan on its backend or model, or disabled)."""
         return self.options.prefill_chunk if self._chunked else 0
 
+    def _segments(self, batch: int) -> int:
+        """Prompts one prefill launch of the batch-`batch` runner packs."""
+        return prefill_segments(self.options.backend, self.options.prefill_chunk, batch)
+
     def _chunk(self, batch: int, timings: dict[str, float]) -> Executor:
         """The prefill plan of the batch-`batch` runner, on its KV cache."""
         runner = self._runners[batch]
         if runner.chunk is None:
             opts = self.options
             shape = PrefillShape(chunk=opts.prefill_chunk, page_size=opts.page_size,
-                                 max_pages=opts.max_pages, num_pages=batch * opts.max_pages)
+                                 max_pages=opts.max_pages, num_pages=batch * opts.max_pages,
+                                 segments=self._segments(batch))
             plan = self._compile(lambda: build_prefill_graph(self.cfg, shape, opts.num_sms),
                                  f"{self.cfg.name or self.cfg.arch}'s prefill plan", timings)
             runner.chunk = self._bound_executor(plan, runner.cache, timings)

@@ -41,6 +41,7 @@ from mpk.engine.kv_cache import PagePool
 from mpk.engine.requests import (FinishReason, InvalidRequestError, RequestHandle,
                                  SamplingParams, positions_needed)
 from mpk.models import decode_io as io
+from mpk.models.prefill import QUERY_BLOCK
 from mpk.tasks import sampling
 from mpk.tasks.runs import encode as run_words
 
@@ -103,14 +104,16 @@ class Scheduler:
                  steps_per_launch: int, eos_token_ids: Iterable[int] = (),
                  detokenize: Detokenize | None = None, sampling: bool = True,
                  runs: bool = True, wide: WidePlan | None = None,
-                 chunk: ChunkPlan | None = None, chunk_size: int = 0) -> None:
+                 chunk: ChunkPlan | None = None, chunk_size: int = 0,
+                 chunk_segments: int = 1) -> None:
         """`sampling`, `runs`: the plan has the SAMPLING / RUNS input (every model plan does;
         test doubles of an executor may not). Without RUNS every request holds one row.
         `wide`: a plan of more rows on the same KV cache; a launch in which some prompt would
         not be fed within its steps runs there, its extra rows feeding prompts. `chunk`: a
         prefill plan on the same KV cache, of `chunk_size` (C) positions: a prompt longer than
         C / 2 is then fed C positions a launch there, alternating with the launches of the
-        other requests."""
+        other requests. `chunk_segments`: prompts that plan's launch may hold (S > 1: pieces of
+        several prompts share a launch, each from a 64-row block; models/prefill.py)."""
         self.executor, self.pool = executor, pool
         self.sampling, self.runs = sampling, runs
         self._wide_plan = wide if runs else None
@@ -118,6 +121,7 @@ class Scheduler:
         if chunk is not None and chunk_size <= 0:
             raise ValueError("a prefill plan needs its chunk_size (positions per launch)")
         self._chunk_plan, self._chunk_size = chunk, chunk_size
+        self._segments = chunk_segments
         self._chunk: tuple[Executor, int] | None = None
         self._last_was_chunk = False
         self.slots, self.max_pages, self.steps_per_launch = slots, max_pages, steps_per_launch
@@ -158,10 +162,10 @@ class Scheduler:
         self._admit()
         if not self.running:
             return 0
-        chunked = self._chunk_candidate()
-        self._last_was_chunk = chunked is not None
-        if chunked is not None:
-            return self._chunk_launch(chunked)
+        pieces = self._chunk_pieces()
+        self._last_was_chunk = bool(pieces)
+        if pieces:
+            return self._chunk_launch(pieces)
         n = min(self.steps_per_launch, max(r.steps_left for r in self._decoding()))
         executor, rows = self._plan_for(n)
         layout = self._layout(n, rows)
@@ -234,58 +238,79 @@ class Scheduler:
                                              sampling_words=sampling_words(params)))
 
     def _chunked(self, run: _Running) -> bool:
-        """Whether `run`'s prompt goes on through the prefill plan: while more of it is left
-        than half a chunk (a chunk launch costs the same however few of its rows are prompt,
-        and runs one request) and than one launch's steps. The rule depends on the request
-        alone, so its prompt is cut into the same chunks whatever else runs (its tokens equal
-        its solo run's: the chunk and the decode launches round differently). The tail goes as
-        runs, whose width does depend on the neighbours; on the GPU a row's arithmetic is the
-        same in a run of any width of one plan, on the interpreter only up to rounding."""
+        """Whether `run`'s prompt goes on through the prefill plan. With one prompt a launch:
+        while more of it is left than half a chunk (a chunk launch costs the same however few of
+        its rows are prompt) and than one launch's steps; when a launch packs several prompts,
+        while more is left than one launch's steps. The rule depends on the request alone, and
+        so do its pieces (C positions, then the rest), so its prompt is cut into the same chunks
+        whatever else runs (its tokens equal its solo run's: the chunk and the decode launches
+        round differently). The tail goes as runs, whose width does depend on the neighbours;
+        on the GPU a row's arithmetic is the same in a run of any width of one plan, on the
+        interpreter only up to rounding."""
         if self._chunk_plan is None:
             return False
-        return run.prompt_left > max(self.steps_per_launch, self._chunk_size // 2)
+        least = self._chunk_size // 2 if self._segments == 1 else 0
+        return run.prompt_left > max(self.steps_per_launch, least)
 
     def _decoding(self) -> list[_Running]:
         """The running requests a decode launch takes (every one, but those being chunked)."""
         return [run for run in self.running if not self._chunked(run)]
 
-    def _chunk_candidate(self) -> _Running | None:
-        """The oldest request whose prompt goes through the prefill plan, when it is the
-        prefill's turn (after a chunk, the others get a launch)."""
+    def _chunk_pieces(self) -> list[tuple[_Running, int, int]]:
+        """(request, first row, positions) of the prompt pieces the next launch of the prefill
+        plan takes, when it is the prefill's turn (after a chunk, the others get a launch): the
+        oldest requests' next pieces, each from a 64-row block, as many as fit."""
         needy = [r for r in self.running if self._chunked(r)]
         if not needy or (self._last_was_chunk and len(needy) < len(self.running)):
-            return None
-        return needy[0]
+            return []
+        pieces, row = [], 0
+        for run in needy:
+            m = min(self._chunk_size, run.prompt_left)
+            if len(pieces) == self._segments or row + m > self._chunk_size:
+                break
+            pieces.append((run, row, m))
+            row = -(-(row + m) // QUERY_BLOCK) * QUERY_BLOCK
+        return pieces
 
-    def _chunk_launch(self, run: _Running) -> int:
-        """Feed up to C of `run`'s prompt positions in one launch of the prefill plan."""
+    def _chunk_launch(self, pieces: list[tuple[_Running, int, int]]) -> int:
+        """Feed each piece's prompt positions in one launch of the prefill plan."""
         if self._chunk is None:
             self._chunk = self._chunk_plan()
         executor, c = self._chunk
-        m = min(c, run.prompt_left)
+        s = self._segments
         prompt = torch.zeros((1, c), dtype=torch.int32)
-        prompt[0, :m] = torch.tensor(run.handle.prompt[run.pos: run.pos + m], dtype=torch.int32)
-        table = torch.full((1, self.max_pages), io.NO_PAGE, dtype=torch.int32)
-        table[0, : len(run.pages)] = torch.tensor(run.pages, dtype=torch.int32)
+        table = torch.full((s, self.max_pages), io.NO_PAGE, dtype=torch.int32)
+        words = torch.zeros((s, io.SAMPLING_WORDS), dtype=torch.int32)
+        positions, lengths, starts, heads = [0] * s, [0] * s, [0] * s, [0] * s
+        for k, (run, row, m) in enumerate(pieces):
+            prompt[0, row: row + m] = torch.tensor(run.handle.prompt[run.pos: run.pos + m],
+                                                   dtype=torch.int32)
+            table[k, : len(run.pages)] = torch.tensor(run.pages, dtype=torch.int32)
+            words[k] = torch.tensor(run.sampling_words, dtype=torch.int32)
+            positions[k], lengths[k], starts[k], heads[k] = run.pos, m, row, run.pos + m - 1
         executor.write(io.PROMPT, prompt)
-        executor.write(io.POSITIONS, torch.tensor([run.pos], dtype=torch.int32))
-        executor.write(io.CHUNK, torch.tensor([m], dtype=torch.int32))
-        executor.write(io.HEAD_POSITION, torch.tensor([run.pos + m - 1], dtype=torch.int32))
+        executor.write(io.POSITIONS, torch.tensor(positions, dtype=torch.int32))
+        executor.write(io.CHUNK, torch.tensor(lengths, dtype=torch.int32))
+        executor.write(io.HEAD_POSITION, torch.tensor(heads, dtype=torch.int32))
         executor.write(io.PAGE_TABLE, table)
-        executor.write(io.SAMPLING, torch.tensor([run.sampling_words], dtype=torch.int32))
+        executor.write(io.SAMPLING, words)
+        if s > 1:
+            executor.write(io.STARTS, torch.tensor(starts, dtype=torch.int32))
         start = time.perf_counter()
         executor.run(1)
-        produced = executor.read(io.TOKENS_OUT)
+        produced = executor.read(io.TOKENS_OUT).tolist()
         end = time.perf_counter()
         self.stats.steps += 1
         self.stats.launches += 1
         self.stats.seconds += end - start
         self.stats.launch_times.append((start, end, 1))
-        if m == run.prompt_left:  # the chunk ends the prompt: its token is the first output
-            self._deliver(run, int(produced[0, 0]), end)
-        run.pos += m
-        if run.finished is not None:
-            self._release(run, run.finished)
+        for k, (run, _, m) in enumerate(pieces):
+            if m == run.prompt_left:  # the piece ends the prompt: its token is the first output
+                self._deliver(run, produced[0][k], end)
+            run.pos += m
+        for run, _, _ in pieces:
+            if run.finished is not None:
+                self._release(run, run.finished)
         return 1
 
     def _plan_for(self, n: int) -> tuple[Executor, int]:

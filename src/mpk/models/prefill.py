@@ -73,6 +73,15 @@ def supports_prefill(cfg: ModelConfig, backend: str) -> bool:
     return cfg.head_dim <= CUDA_MAX_HEAD_DIM and not missing_kernels(PREFILL_KINDS)
 
 
+def prefill_segments(backend: str, chunk: int, slots: int) -> int:
+    """How many prompts one launch of a chunk-`chunk` prefill plan packs for an engine of
+    `slots` requests: one per 64-row block, at most one per slot, on backends whose kernels
+    take segments (the interpreter; the CUDA kernels read one: TaskKind.cuda_unsupported)."""
+    if backend != "cpu" or chunk % QUERY_BLOCK:
+        return 1
+    return max(1, min(slots, chunk // QUERY_BLOCK))
+
+
 def build_prefill_graph(cfg: ModelConfig, shape: PrefillShape, num_sms: int) -> Graph:
     if cfg.is_moe:
         raise UnsupportedError("prefill plans cover dense models; MoE prompts run as decode runs")
