@@ -42,6 +42,9 @@ def test_concurrent_requests_equal_their_solo_runs() -> None:
         result["wall_s"], abs=2e-3)
     single = result["launch_split"]["single"]
     assert single["steps"] >= 4 * 8 and single["ms_per_step_in_launches"] > 0  # 8 launches of 4
+    # Prompts over one launch's steps went through the prefill plan, up to 3 (slots) a launch.
+    assert 0 < split["prefill_launches"] <= split["launches"]
+    assert 1 <= split["prompts_per_prefill_launch"] <= 3
 
 
 def test_the_cli_serving_mode(capsys: pytest.CaptureFixture[str]) -> None:

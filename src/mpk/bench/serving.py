@@ -17,7 +17,8 @@ Over one started engine (one compiled plan of `max_batch` rows):
               must be identical, not merely close).
 The headline ratio is the concurrent output tokens/s over the single-request decode rate.
 `launch_split` says, for the single and the concurrent pass, how much of the wall time was spent
-inside launches (per step) and how much on the host between them.
+inside launches (per step) and how much on the host between them, and how many prompts each
+prefill-plan launch packed.
 """
 
 from __future__ import annotations
@@ -107,33 +108,37 @@ def _concurrent(engine: Engine, trace: Trace) -> tuple[list[RequestHandle], floa
     return handles, time.perf_counter() - start
 
 
-def _launch_split(times: list[tuple[float, float, int]], wall_s: float) -> dict[str, Any]:
+def _launch_split(times: list[tuple[float, float, int]], wall_s: float,
+                  pieces: list[int]) -> dict[str, Any]:
     """Where a pass's wall time went: inside launches (the kernel, its tokens read back) or
-    between them (the host: admission, token delivery, writing the next launch's inputs)."""
+    between them (the host: admission, token delivery, writing the next launch's inputs); and
+    how many prompts each of its prefill-plan launches packed (`pieces`)."""
     inside = sum(end - start for start, end, _ in times)
     steps = sum(n for _, _, n in times)
     gaps = [later[0] - earlier[1] for earlier, later in zip(times, times[1:])]
     return {"launches": len(times), "steps": steps, "in_launches_s": round(inside, 3),
             "between_launches_s": round(max(0.0, wall_s - inside), 3),
             "ms_per_step_in_launches": round(inside / steps * 1e3, 3) if steps else None,
-            "gap_between_launches": _percentiles(gaps)}
+            "gap_between_launches": _percentiles(gaps), "prefill_launches": len(pieces),
+            "prompts_per_prefill_launch": round(sum(pieces) / len(pieces), 2) if pieces else None}
 
 
 def run_serving_bench(engine: Engine, trace: Trace, max_batch: int) -> dict[str, Any]:
     """Both passes over `engine` (started here with `max_batch` slots, stopped after)."""
     engine.start(max_batch=max_batch)
     launches = engine.scheduler.stats.launch_times  # appended by the serving thread
+    pieces = engine.scheduler.stats.prefill_pieces
     try:
         tokens = RATE_LAUNCHES * engine.options.steps_per_launch
         probe = Trace(trace.prompts[:1], (tokens,), (0.0,))
         _solo(engine, probe)  # warm-up: first launches of each plan, clocks
-        since = len(launches)
+        since, since_pieces = len(launches), len(pieces)
         single = _solo(engine, probe)[0]
-        single_times = launches[since:]
+        single_times, single_pieces = launches[since:], pieces[since_pieces:]
         solo = _solo(engine, trace)
-        since = len(launches)
+        since, since_pieces = len(launches), len(pieces)
         concurrent, wall_s = _concurrent(engine, trace)
-        concurrent_times = launches[since:]
+        concurrent_times, concurrent_pieces = launches[since:], pieces[since_pieces:]
     finally:
         engine.stop()
     single_stats = single.result().stats
@@ -156,8 +161,9 @@ def run_serving_bench(engine: Engine, trace: Trace, max_batch: int) -> dict[str,
         "tpot": _percentiles([s.tpot_s for s in stats if s.tpot_s is not None]),
         "inter_token": _percentiles([g for s in stats for g in s.inter_token_s]),
         "outputs_equal_solo": not mismatched, "mismatched_requests": mismatched,
-        "launch_split": {"single": _launch_split(single_times, single_wall),
-                         "concurrent": _launch_split(concurrent_times, wall_s)},
+        "launch_split": {"single": _launch_split(single_times, single_wall, single_pieces),
+                         "concurrent": _launch_split(concurrent_times, wall_s,
+                                                     concurrent_pieces)},
     }
 
 
@@ -181,6 +187,8 @@ def format_report(result: dict[str, Any]) -> list[str]:
         *(f"{name}: {split['launches']} launches, {split['steps']} steps, "
           f"{split['in_launches_s']} s in launches ({split['ms_per_step_in_launches']} ms a "
           f"step), {split['between_launches_s']} s between (gap p50 "
-          f"{split['gap_between_launches']['p50_ms'] or '-'} ms)"
+          f"{split['gap_between_launches']['p50_ms'] or '-'} ms); "
+          f"{split['prefill_launches']} prefill launches, "
+          f"{split['prompts_per_prefill_launch'] or '-'} prompts each"
           for name, split in result["launch_split"].items()),
     ]

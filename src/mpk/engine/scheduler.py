@@ -95,6 +95,7 @@ class LaunchStats:
     launches: int = 0
     seconds: float = 0.0
     launch_times: list[tuple[float, float, int]] = field(default_factory=list)  # start, end, n
+    prefill_pieces: list[int] = field(default_factory=list)  # prompts of each prefill launch
 
 
 class Scheduler:
@@ -304,6 +305,7 @@ class Scheduler:
         self.stats.launches += 1
         self.stats.seconds += end - start
         self.stats.launch_times.append((start, end, 1))
+        self.stats.prefill_pieces.append(len(pieces))
         for k, (run, _, m) in enumerate(pieces):
             if m == run.prompt_left:  # the piece ends the prompt: its token is the first output
                 self._deliver(run, produced[0][k], end)
