@@ -53,13 +53,6 @@ RECORD_END = "        src += sizes[r];\n      }\n    }\n"
 PATCHES["loader_lead"] = {"runtime.cuh": [
     (RECORD_END, RECORD_END + "    sh.slot[sl].t_wait = ptx::globaltimer();\n"),
     ("      slot.t_wait = t_wait;\n", "")]}
-# Batch <= 8 leaves the d accumulators idle: a unit's second MMA goes to them, so the unit's
-# two MMAs are independent (timing only: d is never added back).
-UNIT = "      mma_unit(chain.c, w, dev::lds_v4(x + j * xstep));\n"
-PATCHES["dchain"] = {"linear/sm90.cuh": [(UNIT, (
-    "      { const uint4 xv = dev::lds_v4(x + j * xstep);\n"
-    "        dev::mma_bf16_16816(chain.c, w.x, w.x, w.y, w.y, xv.x, xv.y);\n"
-    "        dev::mma_bf16_16816(chain.d, w.z, w.z, w.w, w.w, xv.z, xv.w); }\n"))]}
 # The controller polls with relaxed loads and acquires once the target is met (ld.acquire
 # compiles to a load plus an L1 invalidation, CCTL.IVALL, on every poll).
 POLL = "      for (;;) {\n        v = ptx::ld_acquire_u64(ctr);\n        if (v >= target) break;\n"
@@ -95,7 +88,7 @@ PATCHES["sparse_timer"] = {"runtime.cuh": [
 CACHE_ROW = "    return cache + (((long long)page * c.PS + (q - pi * c.PS)) * c.KVH + hh) * D;\n"
 PATCHES["attn_nokv"] = {"attention/sm90.cuh": [(CACHE_ROW, "    return nullptr;\n")]}
 PATCHES["no_loader_attn_nokv"] = {**PATCHES["no_loader"], **PATCHES["attn_nokv"]}
-RUNS = {"none": "none", "attn_nokv": "attn_nokv", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead", "dchain": "dchain",
+RUNS = {"none": "none", "attn_nokv": "attn_nokv", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
         "sparse_timer": "sparse_timer",
         "no_loader_no_units": "no_loader_no_units",
         "no_loader_bare_units": "no_loader_bare_units",

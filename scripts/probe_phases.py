@@ -60,7 +60,8 @@ STAMP = stamp()
 STAGE = "    stage_chunk(t, s, nw, ch);\n"
 CHUNK_END = "    if (ch + 1 < t.nch) mpk::task_sync();\n"
 FINISH = "  pc.finish();\n  if (t.argmax)"
-UNIT_MMA = "      mma_unit(chain.c, w, dev::lds_v4(x + j * xstep));\n"
+UNIT_X = "      const uint4 a = dev::lds_v4(x + j * xstep);\n"
+UNIT_MMA = "      mma_unit((j & 1) ? extra : acc, w, a, kPaired ? dev::lds_v4(x + j * xstep + 16) : a);\n"
 UNIT_W = "      const uint4 w = dev::lds_v4(pg + ((unsigned)uj % kPageUnits) * kUnitBytes);\n"
 FIRST_WAIT = "      if (!ptx::mbar_try_wait(bar, parity)) {\n"
 TEST_WAIT = """__device__ __forceinline__ bool mbar_test_wait(uint32_t bar, uint32_t parity) {
@@ -132,7 +133,8 @@ PATCHES: dict[str, Patch] = {
     "split_1k": {"runtime.cuh": [(COPY, split_copy(1024))]},
     # Ablations (wrong results, timing only).
     "no_mma": {"linear/sm90.cuh": [  # neither the MMAs nor the x loads; weights still read
-        (UNIT_MMA, "      chain.c[0] += __uint_as_float(w.x ^ w.y ^ w.z ^ w.w);\n")]},
+        (UNIT_X, ""),
+        (UNIT_MMA, "      ((j & 1) ? extra : acc).p[0] += __uint_as_float(w.x ^ w.y ^ w.z ^ w.w);\n")]},
     "no_wload": {"linear/sm90.cuh": [  # no weight loads; MMAs on a made-up fragment
         (UNIT_W, "      const uint4 w = make_uint4(uj, pg, uj ^ 7, pg ^ 5);\n")]},
     "no_pagewait": {"task_args.cuh": [(FIRST_WAIT, "      if (false) {\n")]},

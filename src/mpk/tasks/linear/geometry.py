@@ -10,10 +10,10 @@ Vocabulary
   silu_mul epilogue: gate [N, K] and up [N, K] interleaved by four rows (Ws row 8j+i is gate row
   4j+i for i < 4 and up row 4j+i-4 otherwise), so one row group holds four outputs' gate AND up
   rows and the epilogue pairs them inside one warp.
-- row group (rg): 8 consecutive rows of Ws, the M of one swap-AB mma.m16n8k16 (rows g and g+8 of
-  the A fragment hold the same row; the duplicate half of the result is discarded).
+- row group (rg): 8 consecutive rows of Ws, the N of one mma.m16n8k16 (the staged input rows are
+  its M).
 - unit: one row group x 32 k, 512 bytes, row-major [8][32] bf16: lane 4g+t reads its 16 bytes at
-  lane*16 (conflict-free) and they are its A fragments for two MMAs.
+  lane*16 (conflict-free) and they are its B fragments for two MMAs.
 - chunk: a range of at most `xc` k (the input rows staged in shared memory at once).
 - block: 8, 4, 2 or 1 consecutive row groups of one chunk (greedy from the task's first row
   group). Units of a block are kg-major: (kg 0: rg 0..n-1), (kg 1: ...), so consumer warp w,

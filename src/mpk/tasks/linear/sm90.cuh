@@ -12,20 +12,33 @@
 // outputs itself. Smaller blocks (a task's last few row groups) reduce the warps' partial sums
 // in shared memory in warp order (deterministic), then the CTA writes them.
 //
-// MMA (swap AB, mma.m16n8k16, bf16 in, fp32 accumulate): A = 16 "rows" x 16 k where rows g and
-// g+8 both hold stream row g (the duplicate half of D is discarded), B = x^T. A lane's 16-byte
-// unit read (row g = lane/4, k 8t..8t+7, t = lane%4) is its A fragment for two MMAs, and its
-// 16-byte read of staged x row g at the same k is the matching B fragment (a dot product may
-// visit k in any order, so the permutation inside each 32-k unit is free). D: lane (g, t) holds
-// row g for batch rows 2t, 2t+1; batch 9-16 uses a second B (x rows g+8) and D.
+// MMA (mma.m16n8k16, bf16 in, fp32 accumulate): A = the staged input rows (M = batch rows,
+// 16 at most), B = the weight unit (N = its 8 stream rows), so a lane's 16-byte unit read (row
+// g = lane/4, k 8t..8t+7, t = lane%4; words w0..w3 = k pairs 8t+2i, +1) is, untouched, the B
+// fragment of two MMAs: (w0, w1) and (w2, w3). A dot product may visit k in any order, so MMA 1
+// pairs its k slots (2t, 2t+1 | 2t+8, 2t+9) with k (8t, 8t+1 | 8t+2, 8t+3) and MMA 2 with
+// (8t+4, 8t+5 | 8t+6, 8t+7). The staged input is laid out so one 16-byte shared read is a whole
+// A fragment (no register moves):
+//   batch <= 8 ("single"): row b's 8-k group stored as words (w0, w2, w1, w3). Both MMAs take
+//     that quad: MMA 1's rows 0-7 meet words 0, 1 (right), MMA 2's rows 8-15 meet words 2, 3 of
+//     the same input row (right); the other halves of D are discarded. Output (b, n) =
+//     D1[b][n] + D2[b + 8][n], both held by lane (b, n / 2).
+//   batch 9-16 ("paired"): rows p and p + 8 share a staged row, each 8-k group as 8 words
+//     (p.w0, p8.w0, p.w1, p8.w1 | p.w2, p8.w2, p.w3, p8.w3): two 16-byte reads are MMA 1's and
+//     MMA 2's A fragments; output (b, n) = D1[b][n] + D2[b][n].
+// A lane (g, t) ends with outputs (batch g and g + 8) x (stream rows 2t, 2t + 1); rows of A past
+// the batch hold copies or zeros and only reach discarded rows of D.
 //
-// Input rows: staged in shared memory, B rows x (xc + 32) bf16 per chunk (the 64-byte pad spreads
-// the 8 rows' 16-byte reads over all banks), as the reference rounds them (rmsnorm: bf16 values of
-// numerics.rmsnorm_rows). Several chunks (large K x batch) add each chunk's sums into fp32 `acc`.
+// Input rows: copied with cp.async into place in natural order (a 16-byte vector per 8 k; the
+// paired layout's two halves), then each vector's words are permuted by the thread that copied it
+// (or by the rmsnorm pass, which writes the normalised values permuted), as the reference rounds
+// them (rmsnorm: bf16 values of numerics.rmsnorm_rows). Row strides spread a quarter-warp's
+// 16-byte reads over all banks (single: 64 mod 128 bytes, paired: 16 mod 128). Several chunks
+// (large K x batch) add each chunk's sums into fp32 `acc`.
 // Epilogues: plain (round to out's dtype, + residual rounded again for bf16), silu_mul (stream rows
-// g < 4 are gate, g + 4 up, paired by a shuffle), argmax (each output's key goes into a shared
-// 64-bit atomicMax: value-ordered, ties to the lowest index, NaN first; deterministic; a row
-// that samples ranks out / T + Gumbel noise, tasks/sampling.py).
+// r < 4 are gate, r + 4 up: lanes t and t ^ 2, paired by a shuffle), argmax (each output's key goes
+// into a shared 64-bit atomicMax: value-ordered, ties to the lowest index, NaN first;
+// deterministic; a row that samples ranks out / T + Gumbel noise, tasks/sampling.py).
 #pragma once
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -47,11 +60,13 @@ static_assert(kRows == 8, "task_of divides by the row alignment (8, or 4 for sil
 constexpr int kUnitK = 32;
 constexpr int kUnitBytes = 512;
 constexpr int kPageUnits = PAGE_BYTES / kUnitBytes;
-constexpr int kXPad = 32;  // bf16 elements after each staged row (task.py X_PAD)
+constexpr int kXPad = 32;  // bf16 elements after each single staged row (task.py X_PAD)
+constexpr int kPairPad = 8;  // bf16 elements after each paired staged row
 constexpr int kMaxB = 16;
 
 struct Task {
   int B, K, N, T, xc, nch, align, rgs, n0, n1;
+  bool paired;  // B > 8: rows p and p + 8 share a staged row (header)
   bool silu, rms, res, f32, argmax, sampling;
   float eps;
   const bf16* x;
@@ -65,7 +80,7 @@ struct Task {
   int step;
 };
 
-// Shared scratch: [xs: B x XS bf16][part: 2 x kWarps x 8 x 16 f32][red: kWarps x 16 f32]
+// Shared scratch: [xs: B x XS bf16 (single) or 8 x XS (paired)][part: 2 x kWarps x 8 x 16 f32][red: kWarps x 16 f32]
 // [inv: 16 f32][best: 16 u64][sampling: 16 x (seed u64, position i64, temperature f32)]
 // [nw: K bf16 when chunked with rmsnorm][acc: rgs x 8 x B f32]
 struct Scratch {
@@ -79,16 +94,17 @@ struct Scratch {
   float* temp;
   bf16* nw;
   float* acc;
-  int XS;
+  int XS;  // staged row stride (bf16 elements)
 };
 
 __device__ __forceinline__ Scratch carve(const Task& t, char* smem) {
   Scratch s;
-  // Row stride = 64 mod 128 bytes, so the 8 rows' 16-byte reads of one k spread over all banks.
-  s.XS = (t.xc + 2 * kXPad - 1) / (2 * kXPad) * (2 * kXPad) + kXPad;
+  // Row strides (bytes): single 64 mod 128, paired 16 mod 128 (header: conflict-free A reads).
+  s.XS = t.paired ? (2 * t.xc + 63) / 64 * 64 + kPairPad
+                  : (t.xc + 2 * kXPad - 1) / (2 * kXPad) * (2 * kXPad) + kXPad;
   char* p = smem;
   s.xs = reinterpret_cast<bf16*>(p);
-  p += ((t.B * s.XS * 2 + 15) / 16) * 16;
+  p += (((t.paired ? kRows : t.B) * s.XS * 2 + 15) / 16) * 16;
   s.part = reinterpret_cast<float*>(p);
   p += 2 * kWarps * kRows * kMaxB * 4;
   s.red = reinterpret_cast<float*>(p);
@@ -148,26 +164,61 @@ __device__ __forceinline__ float load_resid(const Task& t, int b, int n) {
 __device__ __forceinline__ int out_col(const Task& t, int rg, int g) { return t.n0 + rg * kRows + g; }
 
 // ---- input staging ---------------------------------------------------------------------------
-// Copy x[b][k0, k0+kc) of every row into xs with cp.async, zero k in [kc, kfill).
+// Where the 8 k of vector v of input row b land before the permutation (natural order): single,
+// row b; paired, half b / 8 of staged row b % 8.
+__device__ __forceinline__ bf16* landing(const Task& t, const Scratch& s, int b, int v) {
+  return t.paired ? s.xs + (b & (kRows - 1)) * s.XS + v * 16 + (b >> 3) * 8
+                  : s.xs + b * s.XS + v * 8;
+}
+
+// The A-fragment order of one staged vector (single) or vector pair (paired), from natural order.
+__device__ __forceinline__ uint4 single_order(const uint4& w) { return make_uint4(w.x, w.z, w.y, w.w); }
+// (By value: `at` may be where lo and hi were read from.)
+__device__ __forceinline__ void store_pair(bf16* at, const uint4 lo, const uint4 hi) {
+  uint4* q = reinterpret_cast<uint4*>(at);
+  q[0] = make_uint4(lo.x, hi.x, lo.y, hi.y);
+  q[1] = make_uint4(lo.z, hi.z, lo.w, hi.w);
+}
+
+// Copy x[b][k0, k0+kc) of every row into place with cp.async, zeros for k in [kc, kfill) and for
+// the paired layout's rows past B. `permute`: each thread then puts the vectors it copied into
+// A-fragment order (no barrier needed: its own copies); without it (rmsnorm) they stay natural
+// for the norm pass. Ends with a barrier.
 __device__ __forceinline__ void stage_raw(const Task& t, const Scratch& s, int k0, int kc,
-                                          int kfill) {
+                                          int kfill, bool permute) {
   const int tid = threadIdx.x;
-  const int vpr = kc / 8;
-  for (int idx = tid; idx < t.B * vpr; idx += NUM_THREADS) {
-    const int b = idx / vpr, v = idx - b * vpr;
-    dev::cp_async_act16(s.xs + b * s.XS + v * 8, t.x + (long long)b * t.K + k0 + v * 8);
+  const int vpr = kc / 8, vfill = kfill / 8;
+  const int rows = t.paired ? kRows : t.B;  // staged rows
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  for (int idx = tid; idx < rows * vfill; idx += NUM_THREADS) {
+    const int r = idx / vfill, v = idx - r * vfill;
+    const int hi = r + kRows;  // the paired row's second input row
+    if (v < vpr) {
+      dev::cp_async_act16(landing(t, s, r, v), t.x + (long long)r * t.K + k0 + v * 8);
+      if (t.paired && hi < t.B)
+        dev::cp_async_act16(landing(t, s, hi, v), t.x + (long long)hi * t.K + k0 + v * 8);
+    } else {
+      *reinterpret_cast<uint4*>(landing(t, s, r, v)) = zero;
+    }
+    if (t.paired && (v >= vpr || hi >= t.B)) *reinterpret_cast<uint4*>(landing(t, s, hi, v)) = zero;
   }
   dev::cp_async_commit();
-  const int zpr = (kfill - kc) / 8;
-  for (int idx = tid; idx < t.B * zpr; idx += NUM_THREADS) {
-    const int b = idx / zpr, v = idx - b * zpr;
-    *reinterpret_cast<uint4*>(s.xs + b * s.XS + kc + v * 8) = make_uint4(0u, 0u, 0u, 0u);
-  }
   dev::cp_async_wait_all();
+  if (permute) {
+    for (int idx = tid; idx < rows * vfill; idx += NUM_THREADS) {
+      const int r = idx / vfill, v = idx - r * vfill;
+      uint4* at = reinterpret_cast<uint4*>(landing(t, s, r, v));
+      if (t.paired)
+        store_pair(reinterpret_cast<bf16*>(at), at[0], at[1]);
+      else
+        *at = single_order(*at);
+    }
+  }
   mpk::task_sync();
 }
 
-// Sum of squares of the staged rows' first kc elements into red[warp][b] (+= when `add`).
+// Sum of squares of the landed (natural-order) rows' first kc elements into red[warp][b] (+= when
+// `add`).
 __device__ __forceinline__ void sum_squares(const Task& t, const Scratch& s, int kc, bool add) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int vpr = kc / 8;
@@ -175,7 +226,7 @@ __device__ __forceinline__ void sum_squares(const Task& t, const Scratch& s, int
     float ss = 0.f;
     for (int v = tid; v < vpr; v += NUM_THREADS) {
       float f[8];
-      dev::unpack8(*reinterpret_cast<const uint4*>(s.xs + b * s.XS + v * 8), f);
+      dev::unpack8(*reinterpret_cast<const uint4*>(landing(t, s, b, v)), f);
 #pragma unroll
       for (int e = 0; e < 8; ++e) ss = fmaf(f[e], f[e], ss);
     }
@@ -195,76 +246,91 @@ __device__ __forceinline__ void finish_inv(const Task& t, const Scratch& s) {
   mpk::task_sync();
 }
 
-// rmsnorm the staged chunk in place (norm weight nw[k0 ..]); ends with a barrier.
+// One landed vector of row b, rmsnormed (norm weight vector fw), in natural order.
+__device__ __forceinline__ uint4 norm_vec(const uint4& x, const float (&fw)[8], float inv) {
+  float fx[8], fo[8];
+  dev::unpack8(x, fx);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) fo[e] = dev::rmsnorm_elem(fx[e], inv, fw[e]);
+  return dev::pack8(fo);
+}
+
+// rmsnorm the landed chunk (norm weight nw[k0 ..]) and put it into A-fragment order; ends with a
+// barrier. Paired rows past B stay zero.
 __device__ __forceinline__ void normalize(const Task& t, const Scratch& s, const bf16* nw, int k0,
                                           int kc) {
   const int vpr = kc / 8;
-  for (int idx = threadIdx.x; idx < t.B * vpr; idx += NUM_THREADS) {
-    const int b = idx / vpr, v = idx - b * vpr;
-    uint4* p = reinterpret_cast<uint4*>(s.xs + b * s.XS + v * 8);
-    float fx[8], fw[8], fo[8];
-    dev::unpack8(*p, fx);
+  const int rows = t.paired ? kRows : t.B;
+  for (int idx = threadIdx.x; idx < rows * vpr; idx += NUM_THREADS) {
+    const int r = idx / vpr, v = idx - r * vpr;
+    float fw[8];
     dev::unpack8(*reinterpret_cast<const uint4*>(nw + k0 + v * 8), fw);
-    const float ib = s.inv[b];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) fo[e] = dev::rmsnorm_elem(fx[e], ib, fw[e]);
-    *p = dev::pack8(fo);
+    uint4* at = reinterpret_cast<uint4*>(landing(t, s, r, v));
+    const uint4 lo = norm_vec(at[0], fw, s.inv[r]);
+    if (t.paired) {
+      const int hi = r + kRows;
+      store_pair(reinterpret_cast<bf16*>(at), lo, hi < t.B ? norm_vec(at[1], fw, s.inv[hi]) : at[1]);
+    } else {
+      *at = single_order(lo);
+    }
   }
   mpk::task_sync();
 }
 
 // ---- the MMA walk over one block ---------------------------------------------------------------
 struct Acc {
-  float c[4], d[4];  // batch rows 2t, 2t+1 (c) and 8+2t, 9+2t (d)
+  float p[4], q[4];  // D of MMA 1 (weight words 0, 1) and MMA 2 (words 2, 3) of each unit
 };
 
 // Units of one page a warp takes (its units are kWarps apart).
 constexpr int kWarpUnitsPerPage = kPageUnits / kWarps;
 static_assert(kPageUnits % kWarps == 0, "a page holds whole rounds of the warps' units");
 
-__device__ __forceinline__ void mma_unit(float* c, const uint4& w, const uint4& x) {
-  dev::mma_bf16_16816(c, w.x, w.x, w.y, w.y, x.x, x.y);
-  dev::mma_bf16_16816(c, w.z, w.z, w.w, w.w, x.z, x.w);
+// One unit: the weight read w is both MMAs' B fragments; a (and a2, paired) their A fragments.
+__device__ __forceinline__ void mma_unit(Acc& c, const uint4& w, const uint4& a, const uint4& a2) {
+  dev::mma_bf16_16816(c.p, a.x, a.y, a.z, a.w, w.x, w.y);
+  dev::mma_bf16_16816(c.q, a2.x, a2.y, a2.z, a2.w, w.z, w.w);
 }
 
 // This warp's units of one page (units u, u + kWarps, ... below stop), alternating between two
 // accumulator chains. kWhole: all kWarpUnitsPerPage of them, with no per-unit bounds, so the
-// unit loads can run ahead of the MMAs.
-template <bool kWhole>
-__device__ __forceinline__ void page_units(uint32_t pg, int u, int stop, unsigned x, unsigned x2,
-                                           unsigned xstep, bool two, Acc& acc, Acc& extra) {
+// unit loads can run ahead of the MMAs. x: the lane's A fragment address of unit u.
+template <bool kWhole, bool kPaired>
+__device__ __forceinline__ void page_units(uint32_t pg, int u, int stop, unsigned x,
+                                           unsigned xstep, Acc& acc, Acc& extra) {
 #pragma unroll
   for (int j = 0; j < kWarpUnitsPerPage; ++j) {
     const int uj = u + j * kWarps;
     if (kWhole || uj < stop) {
-      Acc& chain = (j & 1) ? extra : acc;
       const uint4 w = dev::lds_v4(pg + ((unsigned)uj % kPageUnits) * kUnitBytes);
-      mma_unit(chain.c, w, dev::lds_v4(x + j * xstep));
-      if (two) mma_unit(chain.d, w, dev::lds_v4(x2 + j * xstep));
+      const uint4 a = dev::lds_v4(x + j * xstep);
+      mma_unit((j & 1) ? extra : acc, w, a, kPaired ? dev::lds_v4(x + j * xstep + 16) : a);
     }
   }
 }
 
-// Accumulate this warp's units of a block: task-local units [u0, u0 + nb*nk). Page by page: one
-// wait per page, then the page's units (page_units), on two accumulator chains summed at the end.
-// (One accumulator and a wait, loads and an index division per unit made every unit a ~300-cycle
-// dependent chain: consumers read ~25 GB/s per SM from resident pages, below an SM's HBM share;
+// Accumulate this warp's units of a block (task-local units [u0, u0 + nb*nk)) into the lane's
+// outputs r[j] (batch_of(j), row_of(j); zero where the layout leaves none). Page by page: one wait
+// per page, then the page's units (page_units) on two accumulator chains. (One accumulator and a
+// wait, loads and an index division per unit made every unit a ~300-cycle dependent chain:
 // scripts/probe_phases.py.)
+template <bool kPaired>
 __device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::PageCursor& pc,
-                                          int pbase, int u0, int nb, int nk, Acc& acc) {
+                                          int pbase, int u0, int nb, int nk, float (&r)[4]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, tq = lane & 3;
-  const int first = u0 + (((warp - u0) % kWarps) + kWarps) % kWarps;
+  const int first = u0 + ((warp - u0) & (kWarps - 1));  // kWarps and nb: powers of two
   const int end = u0 + nb * nk;
+  // Staged bytes per k group (32 k) of a staged row, and a lane's A fragment in it.
+  constexpr unsigned kGroupBytes = kPaired ? 128u : 64u;
   // A warp's units are kWarps apart: k groups kWarps / nb apart (nb divides kWarps).
-  const unsigned xstep = (unsigned)(kWarps / nb) * (kUnitK * 2);
-  const unsigned kg0 = (unsigned)((first - u0) / nb) * (kUnitK * 2);  // first unit's k group
-  const unsigned xrow = dev::smem_addr(s.xs + min(g, t.B - 1) * s.XS + tq * 8) + kg0;
-  const unsigned xrow2 = dev::smem_addr(s.xs + min(g + 8, t.B - 1) * s.XS + tq * 8) + kg0;
-  const bool two = t.B > 8;
-  Acc extra;  // chain 1; chain 0 accumulates in `acc` (zero on entry)
+  const unsigned xstep = (unsigned)(kWarps >> (31 - __clz(nb))) * kGroupBytes;
+  const unsigned kg0 = (unsigned)((first - u0) >> (31 - __clz(nb))) * kGroupBytes;  // its k group
+  const int row = kPaired ? g : min(g, t.B - 1);  // rows past B read a real row: D rows discarded
+  const unsigned x = dev::smem_addr(s.xs + row * s.XS) + tq * (kGroupBytes / 4) + kg0;
+  Acc acc, extra;  // two chains
 #pragma unroll
-  for (int e = 0; e < 4; ++e) extra.c[e] = extra.d[e] = 0.f;
+  for (int e = 0; e < 4; ++e) acc.p[e] = acc.q[e] = extra.p[e] = extra.q[e] = 0.f;
   unsigned xo = 0;  // byte offset of unit u's k group in the staged rows
 #pragma unroll 1
   for (int u = first; u < end;) {
@@ -272,50 +338,57 @@ __device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::
     const int stop = min(end, (page + 1) * kPageUnits);
     const uint32_t pg = pc.at(pbase + page) + lane * 16;
     if (u + (kWarpUnitsPerPage - 1) * kWarps < stop)  // the warp's whole round of this page
-      page_units<true>(pg, u, stop, xrow + xo, xrow2 + xo, xstep, two, acc, extra);
+      page_units<true, kPaired>(pg, u, stop, x + xo, xstep, acc, extra);
     else
-      page_units<false>(pg, u, stop, xrow + xo, xrow2 + xo, xstep, two, acc, extra);
+      page_units<false, kPaired>(pg, u, stop, x + xo, xstep, acc, extra);
     const int taken = (int)((unsigned)(stop - u + kWarps - 1) / kWarps);
     u += taken * kWarps;
     xo += taken * xstep;
   }
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    acc.c[e] += extra.c[e];
-    acc.d[e] += extra.d[e];
+  for (int j = 0; j < 4; ++j) {
+    // single: output (g, n) = D1[g][n] + D2[g + 8][n]; paired: D1 + D2 for both rows (header)
+    r[j] = kPaired ? (acc.p[j] + extra.p[j]) + (acc.q[j] + extra.q[j])
+           : j < 2 ? (acc.p[j] + extra.p[j]) + (acc.q[j + 2] + extra.q[j + 2])
+                   : 0.f;
   }
 }
 
-// The fp32 sums of a lane's (row g; batch rows j = 0..3 -> 2t, 2t+1, 8+2t, 9+2t).
-__device__ __forceinline__ float acc_at(const Acc& a, int j) {
-  return j == 0 ? a.c[0] : j == 1 ? a.c[1] : j == 2 ? a.d[0] : a.d[1];
+__device__ __forceinline__ void walk(const Task& t, const Scratch& s, mpk::PageCursor& pc,
+                                     int pbase, int u0, int nb, int nk, float (&r)[4]) {
+  if (t.paired)
+    mma_block<true>(t, s, pc, pbase, u0, nb, nk, r);
+  else
+    mma_block<false>(t, s, pc, pbase, u0, nb, nk, r);
 }
-__device__ __forceinline__ int batch_of(int j, int tq) { return (j >> 1) * 8 + 2 * tq + (j & 1); }
+
+// A lane's outputs j = 0..3: batch rows g (j < 2) and g + 8, stream rows 2t + (j & 1).
+__device__ __forceinline__ int batch_of(int j, int g) { return (j >> 1) * 8 + g; }
+__device__ __forceinline__ int row_of(int j, int tq) { return 2 * tq + (j & 1); }
 
 // Residual values a lane (own blocks) or a thread (shared blocks) will add, loaded before the
 // block's MMAs so the L2 round trip overlaps them. Unused slots hold 0.
 __device__ __forceinline__ void prefetch_own(const Task& t, int rg, float (&r)[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-  const int n = out_col(t, rg, g);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const int b = batch_of(j, tq);
+    const int b = batch_of(j, g), n = out_col(t, rg, row_of(j, tq));
     r[j] = (t.res && b < t.B && n < t.n1) ? load_resid(t, b, n) : 0.f;
   }
 }
 
 // A block of 8 row groups: this warp owns row group `rg` (task-local); write or accumulate.
-__device__ __forceinline__ void finish_own(const Task& t, const Scratch& s, int rg, const Acc& a,
-                                           const float (&resid)[4], int ch,
+__device__ __forceinline__ void finish_own(const Task& t, const Scratch& s, int rg,
+                                           const float (&r)[4], const float (&resid)[4], int ch,
                                            unsigned long long (&best)[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const bool last = ch == t.nch - 1;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const int b = batch_of(j, tq);
-    float v = acc_at(a, j);
+    const int b = batch_of(j, g), row = row_of(j, tq);
+    float v = r[j];
     if (t.nch > 1) {  // this warp alone owns these accumulator rows
-      float* slot = s.acc + (rg * kRows + g) * t.B + min(b, t.B - 1);
+      float* slot = s.acc + (rg * kRows + row) * t.B + min(b, t.B - 1);
       if (ch > 0 && b < t.B) v += *slot;
       if (!last) {
         if (b < t.B) *slot = v;
@@ -323,12 +396,12 @@ __device__ __forceinline__ void finish_own(const Task& t, const Scratch& s, int 
       }
     }
     if (t.silu) {
-      const float up = __shfl_xor_sync(0xffffffffu, v, 16);  // stream row g + 4 = lane + 16
-      const int n = t.n0 + rg * 4 + g;
-      if (g < 4 && b < t.B && n < t.n1) store_silu(t, b, n, v, up);
+      const float up = __shfl_xor_sync(0xffffffffu, v, 2);  // stream row + 4: lane t + 2
+      const int n = t.n0 + rg * 4 + row;
+      if (row < 4 && b < t.B && n < t.n1) store_silu(t, b, n, v, up);
       continue;
     }
-    const int n = out_col(t, rg, g);
+    const int n = out_col(t, rg, row);
     if (b < t.B && n < t.n1) {
       const float y = store_plain(t, b, n, v, resid[j]);
       if (t.argmax) {
@@ -358,23 +431,23 @@ __device__ __forceinline__ void prefetch_shared(const Task& t, int rg0, int nb, 
 }
 
 // Sum of the block's partials for (row group rgl of the block, row g, batch b), in warp order:
-// the warps that met row group rgl are those w with (w - u0) mod nb == rgl.
+// the warps that met row group rgl are those w with (w - u0) mod nb == rgl (nb a power of two).
 __device__ __forceinline__ float reduce_part(const Scratch& s, int buf, int u0, int nb, int rgl,
                                              int g, int b) {
   float sum = 0.f;
-  for (int w = 0; w < kWarps; ++w)
-    if ((((w - u0) % nb) + nb) % nb == rgl) sum += s.part[((buf * kWarps + w) * kRows + g) * kMaxB + b];
+  const float* part = s.part + (buf * kWarps * kRows + g) * kMaxB + b;
+  for (int w = (u0 + rgl) & (nb - 1); w < kWarps; w += nb) sum += part[w * kRows * kMaxB];
   return sum;
 }
 
 // A block of nb < 8 row groups: the warps' partial sums meet in part[buf], the CTA finishes them.
 __device__ __forceinline__ void finish_shared(const Task& t, const Scratch& s, int rg0, int u0,
-                                              int nb, const Acc& a, int buf,
+                                              int nb, const float (&part)[4], int buf,
                                               const float (&resid)[2], int ch) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
-  float* mine = s.part + ((buf * kWarps + warp) * kRows + g) * kMaxB;
+  float* mine = s.part + (buf * kWarps + warp) * kRows * kMaxB;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) mine[batch_of(j, tq)] = acc_at(a, j);
+  for (int j = 0; j < 4; ++j) mine[row_of(j, tq) * kMaxB + batch_of(j, g)] = part[j];
   mpk::task_sync();
   const bool last = ch == t.nch - 1;
 #pragma unroll
@@ -416,6 +489,7 @@ __device__ __forceinline__ void finish_shared(const Task& t, const Scratch& s, i
 __device__ __forceinline__ Task task_of(const mpk::TaskArgs& a) {
   Task t;
   t.B = a.i(P_BATCH);
+  t.paired = t.B > kRows;
   t.K = a.i(P_K);
   t.N = a.i(P_N);
   t.T = a.i(P_TASKS);
@@ -452,13 +526,13 @@ __device__ __forceinline__ void stage_chunk(const Task& t, const Scratch& s, con
   if (t.rms && t.nch > 1 && ch == 0) {  // the inverse rms needs whole rows first
     for (int c = 0; c < t.nch; ++c) {
       const int c0 = c * t.xc, cl = min(t.xc, t.K - c0);
-      stage_raw(t, s, c0, cl, cl);
+      stage_raw(t, s, c0, cl, cl, false);
       sum_squares(t, s, cl, c > 0);
       mpk::task_sync();  // xs is restaged next
     }
     finish_inv(t, s);
   }
-  stage_raw(t, s, k0, kc, kfill);
+  stage_raw(t, s, k0, kc, kfill, !t.rms);
   if (!t.rms) return;
   if (t.nch == 1) {
     sum_squares(t, s, kc, false);
@@ -471,14 +545,15 @@ __device__ __forceinline__ void write_argmax(const Task& t, const Scratch& s,
                                              unsigned long long (&best)[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
+  for (int h = 0; h < 2; ++h) {  // batch row g + 8h: its keys are on the lanes t = 0..3 of g
+    unsigned long long key = best[2 * h] > best[2 * h + 1] ? best[2 * h] : best[2 * h + 1];
 #pragma unroll
-    for (int off = 4; off < 32; off <<= 1) {
-      const unsigned long long o = __shfl_xor_sync(0xffffffffu, best[j], off);
-      if (o > best[j]) best[j] = o;
+    for (int off = 1; off < 4; off <<= 1) {
+      const unsigned long long o = __shfl_xor_sync(0xffffffffu, key, off);
+      if (o > key) key = o;
     }
-    const int b = batch_of(j, tq);
-    if (g == 0 && b < t.B && best[j] != 0ull) atomicMax(s.best + b, best[j]);
+    const int b = g + 8 * h;
+    if (tq == 0 && b < t.B && key != 0ull) atomicMax(s.best + b, key);
   }
   mpk::task_sync();
   const int tid = threadIdx.x;
@@ -534,22 +609,20 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
     for (int nb = 8; nb >= 1; nb >>= 1) {
 #pragma unroll 1
       for (; t.rgs - rg0 >= nb; rg0 += nb, u0 += nb * nk) {
-        Acc acc;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc.c[j] = acc.d[j] = 0.f;
+        float r[4];
         if (nb == kWarps) {
-          const int rg = rg0 + (((warp - u0) % kWarps) + kWarps) % kWarps;
+          const int rg = rg0 + ((warp - u0) & (kWarps - 1));
           float resid[4];
           prefetch_own(t, rg, resid);
-          mma_block(t, s, pc, pbase, u0, nb, nk, acc);
+          walk(t, s, pc, pbase, u0, nb, nk, r);
           a.mark(1);  // profiling: warp 0's walk of this block is done (the last block's stays)
-          finish_own(t, s, rg, acc, resid, ch, best);
+          finish_own(t, s, rg, r, resid, ch, best);
         } else {
           float resid[2];
           prefetch_shared(t, rg0, nb, resid);
-          mma_block(t, s, pc, pbase, u0, nb, nk, acc);
+          walk(t, s, pc, pbase, u0, nb, nk, r);
           a.mark(1);
-          finish_shared(t, s, rg0, u0, nb, acc, buf, resid, ch);
+          finish_shared(t, s, rg0, u0, nb, r, buf, resid, ch);
           buf ^= 1;
         }
       }

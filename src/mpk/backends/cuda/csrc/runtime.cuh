@@ -25,7 +25,7 @@
 //            loader must be done reading a slot before it is refilled, even when the consumers
 //            never waited for it, e.g. records without pages)
 //   page p:  full (loader's bulk copy -> consumers, with a byte count),
-//            empty (8 consumer warps -> loader)
+//            empty (every consumer thread -> loader)
 // Step protocol (see mpk/backends/base.py): for local step s in [0, num_steps), global step
 // g = step_begin + s, every record of this SM's list, in order; a wait (c, count, prev) needs
 // counters[c] >= (g + 1 - prev) * count. Counters are monotonic over the executor's lifetime.
@@ -422,7 +422,7 @@ __device__ __forceinline__ void consumers(const Params& p, Shared& sh, uint32_t 
 __device__ __forceinline__ void init_barriers(Shared& sh) {
   for (int i = 0; i < NUM_PAGES; ++i) {
     ptx::mbar_init(ptx::smem_u32(&sh.bars.full[i]), 1);
-    ptx::mbar_init(ptx::smem_u32(&sh.bars.empty[i]), CONSUMER_WARPS);
+    ptx::mbar_init(ptx::smem_u32(&sh.bars.empty[i]), NUM_THREADS);  // PageCursor
   }
   for (int i = 0; i < NUM_SLOTS; ++i) {
     ptx::mbar_init(ptx::smem_u32(&sh.bars.loaded[i]), 1);

@@ -41,7 +41,7 @@ __device__ __forceinline__ void task_sync() { ptx::named_sync(1, NUM_THREADS); }
 // One consumer warp's view of its task's weight pages. Pages are visited in order: at(i)
 // waits until page i has landed (releasing the pages before it); finish() releases the rest.
 // Every consumer warp must wait for and release EVERY page of the task exactly once, in order,
-// because a page's "empty" barrier counts one arrival per consumer warp per use. A warp that
+// because a page's "empty" barrier counts one arrival per consumer thread per use. A warp that
 // holds page i at a task_sync() must not make another warp need page i + NUM_PAGES before that
 // barrier (its page slot cannot be refilled until the first warp releases it): keep barriers
 // within a few pages of each other's reach (linear: at most 2 pages, NUM_PAGES >= 4). (The cursor is
@@ -93,10 +93,11 @@ struct PageCursor {
       ++held;
     ++cur;
   }
-  // This warp is done reading page `cur` (every lane's reads happen before lane 0's arrive).
+  // This thread is done reading page `cur`: every consumer thread arrives itself (the barrier
+  // counts NUM_THREADS), so its reads are ordered before its own arrive with no warp sync and no
+  // lane-0 branch on the walk.
   __device__ __forceinline__ void release_held() const {
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) ptx::mbar_arrive(full + 8u * (NUM_PAGES + slot()));
+    ptx::mbar_arrive(full + 8u * (NUM_PAGES + slot()));
   }
 };
 
