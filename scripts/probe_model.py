@@ -12,9 +12,7 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
   no_mma     ablation (wrong outputs, timing only): the walk reads the weights but does no MMA,
   no_wload   ablation (wrong outputs, timing only): MMAs on a made-up fragment, no weight loads,
   attn_nokv  ablation (timing only): attention reads no cached key or value (only this step's),
-  no_walkpages  the walk reads page slot 0 without waiting (finish() still waits for and
-             releases every page at the task's end), no_units: the page protocol without the
-             units (both timing only).
+  no_units   the page protocol without the units (timing only).
 Per op role: the phase parts, and for pagewait the mean page wait of its linear tasks.
 
   python scripts/probe_model.py --model qwen3-0.6b [--runs none,pagewait] [--json]   # on the GPU
@@ -41,10 +39,7 @@ PATCHES["pagewait1"] = {
     "task_args.cuh": PATCHES["pagewait"]["task_args.cuh"],
     "linear/sm90.cuh": [(FINISH, (f"  pc.finish();\n  {stamp('pc.waited + 1ull')}\n"
                                  "  if (t.argmax)"))]}
-# The walk without its page protocol (pages still waited for and released, by finish() at the
-# task's end) / without its units (the page protocol alone). Timing only.
-PG = "    const uint32_t pg = pc.at(pbase + page) + lane * 16;\n"
-PATCHES["no_walkpages"] = {"linear/sm90.cuh": [(PG, PG.replace("pc.at(pbase + page)", "pc.ring"))]}
+# The page protocol without the units. Timing only.
 PATCHES["no_units"] = {"linear/sm90.cuh": [("    if (kWhole || uj < stop) {\n",
                                             "    if (false) {\n")]}
 # WAIT := when the loader issued the record's last page copy (the consumers' own WAIT stamp is
@@ -94,7 +89,7 @@ RUNS = {"none": "none", "attn_nokv": "attn_nokv", "no_loader_attn_nokv": "no_loa
         "no_loader_bare_units": "no_loader_bare_units",
         "nanosleep": "nanosleep", "hint": "hint",
         "relaxed_poll": "relaxed_poll", "no_loader": "no_loader", "pagewait": "pagewait1", "no_mma": "no_mma", "no_wload": "no_wload",
-        "no_walkpages": "no_walkpages", "no_units": "no_units"}
+        "no_units": "no_units"}
 
 
 def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int) -> dict:
@@ -131,12 +126,13 @@ def main() -> int:
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--runs", default="none,pagewait,no_mma,no_wload")
+    p.add_argument("--all", action="store_true", help="every run (with --dry-run: every patch)")
     p.add_argument("--page-bytes", type=int, default=codegen.PAGE_BYTES)
     p.add_argument("--max-pages", type=int, default=codegen.MAX_PAGES)
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    names = args.runs.split(",")
+    names = list(RUNS) if args.all else args.runs.split(",")
     if unknown := sorted(set(names) - set(RUNS)):
         p.error(f"unknown runs {unknown}; choose from {', '.join(RUNS)}")
     if args.dry_run:

@@ -62,24 +62,13 @@ CHUNK_END = "    if (ch + 1 < t.nch) mpk::task_sync();\n"
 FINISH = "  pc.finish();\n  if (t.argmax)"
 UNIT_X = "      const uint4 a = dev::lds_v4(x + j * xstep);\n"
 UNIT_MMA = "      mma_unit((j & 1) ? extra : acc, w, a, kPaired ? dev::lds_v4(x + j * xstep + 16) : a);\n"
-UNIT_W = "      const uint4 w = dev::lds_v4(pg + ((unsigned)uj % kPageUnits) * kUnitBytes);\n"
-FIRST_WAIT = "      if (!ptx::mbar_try_wait(bar, parity)) {\n"
-TEST_WAIT = """__device__ __forceinline__ bool mbar_test_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\\n .reg .pred p;\\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\\n"
-      " selp.u32 %0, 1, 0, p;\\n}"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-"""
-PAGE_WAIT = """      if (!ptx::mbar_try_wait(bar, parity)) {
-        const unsigned long long t0 = ptx::globaltimer();
-        while (!ptx::mbar_try_wait(bar, parity))
-          if (ptx::globaltimer() - t0 > (unsigned long long)limit_ns) __trap();
-      }
+UNIT_W = "      const uint4 w = dev::lds_v4(wu + j * kWarps * kUnitBytes);\n"
+FIRST_WAIT = "    if (!ptx::mbar_try_wait(bar, parity)) {\n"
+PAGE_WAIT = """    if (!ptx::mbar_try_wait(bar, parity)) {
+      const unsigned long long t0 = ptx::globaltimer();
+      while (!ptx::mbar_try_wait(bar, parity))
+        if (ptx::globaltimer() - t0 > (unsigned long long)limit_ns) __trap();
+    }
 """
 LOADED_WAIT = ("    if (!wait_unless_gone(ptx::smem_u32(&sh.bars.loaded[sl]), round & 1u, "
                "&sh.consumers_gone))\n      return drain(sh, seq, p.timeout_ns);\n")
@@ -114,9 +103,10 @@ PATCHES: dict[str, Patch] = {
     "done": {"linear/sm90.cuh": [(FINISH, f"  pc.finish();\n  {STAMP}\n  if (t.argmax)")]},
     # WAIT := warp 0's total time in PageCursor::at waiting for pages to land, in this task.
     "pagewait": {
-        "task_args.cuh": [("  long long limit_ns;", "  long long limit_ns;\n  unsigned long long waited = 0;"),
-                          (PAGE_WAIT, "      const unsigned long long tw = ptx::globaltimer();\n"
-                           + PAGE_WAIT + "      waited += ptx::globaltimer() - tw;\n")],
+        "task_args.cuh": [("  long long limit_ns;",
+                           "  long long limit_ns;\n  mutable unsigned long long waited = 0;"),
+                          (PAGE_WAIT, "    const unsigned long long tw = ptx::globaltimer();\n"
+                           + PAGE_WAIT + "    waited += ptx::globaltimer() - tw;\n")],
         "linear/sm90.cuh": [(FINISH, f"  pc.finish();\n  {stamp('pc.waited')}\n  if (t.argmax)")]},
     # Stamps 3 and 4 := the loader's time blocked on free pages / on the fetcher, per record.
     "loader": {"runtime.cuh": [
@@ -137,10 +127,8 @@ PATCHES: dict[str, Patch] = {
         (UNIT_MMA, "      ((j & 1) ? extra : acc).p[0] += __uint_as_float(w.x ^ w.y ^ w.z ^ w.w);\n")]},
     "no_wload": {"linear/sm90.cuh": [  # no weight loads; MMAs on a made-up fragment
         (UNIT_W, "      const uint4 w = make_uint4(uj, pg, uj ^ 7, pg ^ 5);\n")]},
-    "no_pagewait": {"task_args.cuh": [(FIRST_WAIT, "      if (false) {\n")]},
-    "test_wait": {"ptx.cuh": [("__device__ __forceinline__ bool mbar_try_wait(",
-                               TEST_WAIT + "__device__ __forceinline__ bool mbar_try_wait(")],
-                  "task_args.cuh": [(FIRST_WAIT, FIRST_WAIT.replace("try_wait", "test_wait"))]},
+    "no_pagewait": {"task_args.cuh": [(FIRST_WAIT, "    if (false) {\n")]},
+    "test_wait": {"task_args.cuh": [(FIRST_WAIT, FIRST_WAIT.replace("try_wait", "test_wait"))]},
 }
 PHASES = ("staged", "page0", "mma", "done", "pagewait")
 RUNS = tuple(PATCHES)

@@ -48,8 +48,13 @@ def test_every_phase_probe_patch_still_applies() -> None:
 
 def test_every_model_probe_patch_still_applies() -> None:
     """scripts/probe_model.py reuses probe_phases' patches on a model's plan: they still apply."""
-    done = subprocess.run([sys.executable, str(SCRIPT.parent / "probe_model.py"), "--dry-run"],
-                          capture_output=True, text=True, timeout=300, check=False)
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from probe_model import RUNS
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    done = subprocess.run([sys.executable, str(SCRIPT.parent / "probe_model.py"), "--dry-run",
+                           "--all"], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "pagewait: ['launch.cuh', 'linear/sm90.cuh'" in done.stdout
-    assert len(done.stdout.strip().splitlines()) == 4  # the default runs
+    assert len(done.stdout.strip().splitlines()) == len(RUNS)  # every run's patches apply

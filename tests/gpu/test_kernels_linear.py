@@ -82,7 +82,8 @@ def test_linear_chunked_k_rmsnorm():
 
 
 @pytest.mark.parametrize("n,k,tasks,batch", [(3072, 1024, 132, 1), (1536, 576, 132, 4),
-                                             (30, 96, 4, 2), (40, 8192, 3, 16)])
+                                             (30, 96, 4, 2), (40, 8192, 3, 16),
+                                             (1000, 1024, 33, 12)])
 def test_linear_silu_epilogue(n, k, tasks, batch):
     linear_case(n, k, tasks, batch, "rmsnorm", "silu_mul", seed=n)
 
@@ -92,7 +93,7 @@ def test_linear_f32_out(residual):
     linear_case(512, 2048, 8, 2, "rmsnorm", residual=residual, out_dtype=F32)
 
 
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("batch", [1, 3, 16])
 def test_linear_argmax_epilogue(batch):
     linear_case(20000, 1024, 132, batch, "rmsnorm", "argmax", out_dtype=F32, seed=batch,
                 num_sms=132)

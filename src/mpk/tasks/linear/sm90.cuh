@@ -80,14 +80,14 @@ struct Task {
   int step;
 };
 
-// Shared scratch: [xs: B x XS bf16 (single) or 8 x XS (paired)][part: 2 x kWarps x 8 x 16 f32][red: kWarps x 16 f32]
-// [inv: 16 f32][best: 16 u64][sampling: 16 x (seed u64, position i64, temperature f32)]
+// Shared scratch: [xs: B (single) or 8 (paired) rows of XS bf16][part: 2 x kWarps x 8 x 16 f32]
+// [red: 16 x kWarps f32]
+// [best: 16 u64][sampling: 16 x (seed u64, position i64, temperature f32)]
 // [nw: K bf16 when chunked with rmsnorm][acc: rgs x 8 x B f32]
 struct Scratch {
   bf16* xs;
   float* part;
   float* red;
-  float* inv;
   unsigned long long* best;
   unsigned long long* seed;
   long long* spos;
@@ -109,8 +109,6 @@ __device__ __forceinline__ Scratch carve(const Task& t, char* smem) {
   p += 2 * kWarps * kRows * kMaxB * 4;
   s.red = reinterpret_cast<float*>(p);
   p += kWarps * kMaxB * 4;
-  s.inv = reinterpret_cast<float*>(p);
-  p += kMaxB * 4;
   s.best = reinterpret_cast<unsigned long long*>(p);
   p += kMaxB * 8;
   s.seed = reinterpret_cast<unsigned long long*>(p);
@@ -217,7 +215,7 @@ __device__ __forceinline__ void stage_raw(const Task& t, const Scratch& s, int k
   mpk::task_sync();
 }
 
-// Sum of squares of the landed (natural-order) rows' first kc elements into red[warp][b] (+= when
+// Sum of squares of the landed (natural-order) rows' first kc elements into red[b][warp] (+= when
 // `add`).
 __device__ __forceinline__ void sum_squares(const Task& t, const Scratch& s, int kc, bool add) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -231,19 +229,16 @@ __device__ __forceinline__ void sum_squares(const Task& t, const Scratch& s, int
       for (int e = 0; e < 8; ++e) ss = fmaf(f[e], f[e], ss);
     }
     ss = dev::warp_sum(ss);
-    if (lane == 0) s.red[warp * kMaxB + b] = add ? s.red[warp * kMaxB + b] + ss : ss;
+    if (lane == 0) s.red[b * kWarps + warp] = add ? s.red[b * kWarps + warp] + ss : ss;
   }
 }
 
-__device__ __forceinline__ void finish_inv(const Task& t, const Scratch& s) {
-  mpk::task_sync();
-  const int tid = threadIdx.x;
-  if (tid < t.B) {
-    float total = 0.f;
-    for (int w = 0; w < kWarps; ++w) total += s.red[w * kMaxB + tid];
-    s.inv[tid] = dev::rms_inv(total, t.K, t.eps);
-  }
-  mpk::task_sync();
+// Row b's inverse rms from the warps' partial sums (added in warp order: deterministic).
+__device__ __forceinline__ float row_inv(const Task& t, const Scratch& s, int b) {
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) total += s.red[b * kWarps + w];
+  return dev::rms_inv(total, t.K, t.eps);
 }
 
 // One landed vector of row b, rmsnormed (norm weight vector fw), in natural order.
@@ -255,21 +250,29 @@ __device__ __forceinline__ uint4 norm_vec(const uint4& x, const float (&fw)[8], 
   return dev::pack8(fo);
 }
 
-// rmsnorm the landed chunk (norm weight nw[k0 ..]) and put it into A-fragment order; ends with a
-// barrier. Paired rows past B stay zero.
+// rmsnorm the landed chunk (norm weight nw[k0 ..], the rows' sums of squares complete in red)
+// and put it into A-fragment order; ends with a barrier. Lane b of every warp derives row b's
+// inverse rms and the warp shares it by shuffles (no extra barrier for one thread to publish it;
+// the division stays out of the loop). Paired rows past B stay zero.
 __device__ __forceinline__ void normalize(const Task& t, const Scratch& s, const bf16* nw, int k0,
                                           int kc) {
-  const int vpr = kc / 8;
-  const int rows = t.paired ? kRows : t.B;
-  for (int idx = threadIdx.x; idx < rows * vpr; idx += NUM_THREADS) {
-    const int r = idx / vpr, v = idx - r * vpr;
+  const int vpr = kc / 8, lane = threadIdx.x & 31;
+  const int rows = t.paired ? kRows : t.B, total = rows * vpr;
+  const float inv = lane < t.B ? row_inv(t, s, lane) : 0.f;
+  // Whole warps per round, so every lane takes part in the shuffles.
+  for (int base = threadIdx.x - lane; base < total; base += NUM_THREADS) {
+    const int idx = base + lane;
+    const int r = min(idx / vpr, rows - 1), v = idx - r * vpr;
+    const float inv_lo = __shfl_sync(0xffffffffu, inv, r);
+    const float inv_hi = __shfl_sync(0xffffffffu, inv, min(r + kRows, 31));
+    if (idx >= total) continue;
     float fw[8];
     dev::unpack8(*reinterpret_cast<const uint4*>(nw + k0 + v * 8), fw);
     uint4* at = reinterpret_cast<uint4*>(landing(t, s, r, v));
-    const uint4 lo = norm_vec(at[0], fw, s.inv[r]);
+    const uint4 lo = norm_vec(at[0], fw, inv_lo);
     if (t.paired) {
       const int hi = r + kRows;
-      store_pair(reinterpret_cast<bf16*>(at), lo, hi < t.B ? norm_vec(at[1], fw, s.inv[hi]) : at[1]);
+      store_pair(reinterpret_cast<bf16*>(at), lo, hi < t.B ? norm_vec(at[1], fw, inv_hi) : at[1]);
     } else {
       *at = single_order(lo);
     }
@@ -298,11 +301,14 @@ __device__ __forceinline__ void mma_unit(Acc& c, const uint4& w, const uint4& a,
 template <bool kWhole, bool kPaired>
 __device__ __forceinline__ void page_units(uint32_t pg, int u, int stop, unsigned x,
                                            unsigned xstep, Acc& acc, Acc& extra) {
+  const uint32_t wu = pg + ((unsigned)u % kPageUnits) * kUnitBytes;  // unit u in the page
 #pragma unroll
   for (int j = 0; j < kWarpUnitsPerPage; ++j) {
     const int uj = u + j * kWarps;
     if (kWhole || uj < stop) {
-      const uint4 w = dev::lds_v4(pg + ((unsigned)uj % kPageUnits) * kUnitBytes);
+      // Unit uj sits j * kWarps units after unit u on the same page (u is the warp's first unit
+      // of this page): a constant offset.
+      const uint4 w = dev::lds_v4(wu + j * kWarps * kUnitBytes);
       const uint4 a = dev::lds_v4(x + j * xstep);
       mma_unit((j & 1) ? extra : acc, w, a, kPaired ? dev::lds_v4(x + j * xstep + 16) : a);
     }
@@ -332,18 +338,27 @@ __device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::
 #pragma unroll
   for (int e = 0; e < 4; ++e) acc.p[e] = acc.q[e] = extra.p[e] = extra.q[e] = 0.f;
   unsigned xo = 0;  // byte offset of unit u's k group in the staged rows
+  if (first < end) {
+    // The block's first page may be the one the previous block ended in; after it, a warp's
+    // next unit is always on the next page (a page holds a whole round of units).
+    uint32_t pg = pc.at(pbase + (int)((unsigned)first / kPageUnits)) + lane * 16;
 #pragma unroll 1
-  for (int u = first; u < end;) {
-    const int page = (int)((unsigned)u / kPageUnits);
-    const int stop = min(end, (page + 1) * kPageUnits);
-    const uint32_t pg = pc.at(pbase + page) + lane * 16;
-    if (u + (kWarpUnitsPerPage - 1) * kWarps < stop)  // the warp's whole round of this page
-      page_units<true, kPaired>(pg, u, stop, x + xo, xstep, acc, extra);
-    else
-      page_units<false, kPaired>(pg, u, stop, x + xo, xstep, acc, extra);
-    const int taken = (int)((unsigned)(stop - u + kWarps - 1) / kWarps);
-    u += taken * kWarps;
-    xo += taken * xstep;
+    for (int u = first;;) {
+      const int stop = min(end, (int)((unsigned)u / kPageUnits + 1) * kPageUnits);
+      const bool ahead = pc.next_landed();  // answered while this page's units run
+      if (u + (kWarpUnitsPerPage - 1) * kWarps < stop) {  // the warp's whole round of this page
+        page_units<true, kPaired>(pg, u, stop, x + xo, xstep, acc, extra);
+        u += kPageUnits;
+        xo += kWarpUnitsPerPage * xstep;
+      } else {
+        page_units<false, kPaired>(pg, u, stop, x + xo, xstep, acc, extra);
+        const int taken = (int)((unsigned)(stop - u + kWarps - 1) / kWarps);
+        u += taken * kWarps;
+        xo += taken * xstep;
+      }
+      if (u >= end) break;
+      pg = pc.step(ahead) + lane * 16;
+    }
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -528,15 +543,14 @@ __device__ __forceinline__ void stage_chunk(const Task& t, const Scratch& s, con
       const int c0 = c * t.xc, cl = min(t.xc, t.K - c0);
       stage_raw(t, s, c0, cl, cl, false);
       sum_squares(t, s, cl, c > 0);
-      mpk::task_sync();  // xs is restaged next
+      mpk::task_sync();  // xs is restaged next (and red is complete after the last chunk)
     }
-    finish_inv(t, s);
   }
   stage_raw(t, s, k0, kc, kfill, !t.rms);
   if (!t.rms) return;
   if (t.nch == 1) {
     sum_squares(t, s, kc, false);
-    finish_inv(t, s);
+    mpk::task_sync();  // red complete
   }
   normalize(t, s, nw, k0, kc);
 }

@@ -83,6 +83,19 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 }
 // True once the phase with parity `parity` has completed (a fresh barrier counts its phase
 // "-1", parity 1, as completed). May suspend for a short, hardware-chosen time.
+// Non-blocking test of the same phase: never suspends the thread (a walk asks a page ahead and
+// uses the answer later, so the check's latency hides under the current page's work).
+__device__ __forceinline__ bool mbar_test_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
 __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
   uint32_t done;
   asm volatile(

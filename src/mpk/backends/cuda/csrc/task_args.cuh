@@ -66,13 +66,26 @@ struct PageCursor {
     while (cur < i) {
       if (cur >= 0) release_held();
       next();
-      const uint32_t bar = full + 8u * slot(), parity = held >> 31;
-      if (!ptx::mbar_try_wait(bar, parity)) {
-        const unsigned long long t0 = ptx::globaltimer();
-        while (!ptx::mbar_try_wait(bar, parity))
-          if (ptx::globaltimer() - t0 > (unsigned long long)limit_ns) __trap();
-      }
+      wait_held();
     }
+    return ring + slot() * (uint32_t)PAGE_BYTES;
+  }
+  // Whether page cur + 1 has landed (cur >= 0), without blocking. A walk asks before working on
+  // page cur and passes the answer to step(), so the check's latency hides under that work
+  // (ncu: the wait on a blocking check's result, and the branches of at(), were half the walk).
+  // Sound a page ahead: the slot's previous page (cur + 1 - NUM_PAGES <= cur) has landed, so
+  // the phase tested is the next page's.
+  __device__ __forceinline__ bool next_landed() const {
+    const uint32_t h = after(held);
+    return ptx::mbar_test_wait(full + 8u * (h & 0x7fffffffu), h >> 31);
+  }
+  // From page cur (held) to page cur + 1: release, advance, wait unless `landed` (next_landed()
+  // said so). Straight-line: the common step of a walk.
+  __device__ __forceinline__ uint32_t step(bool landed) {
+    release_held();
+    held = after(held);
+    ++cur;
+    if (!landed) wait_held();
     return ring + slot() * (uint32_t)PAGE_BYTES;
   }
   __device__ __forceinline__ void finish() {
@@ -84,14 +97,23 @@ struct PageCursor {
 
  private:
   __device__ __forceinline__ uint32_t slot() const { return held & 0x7fffffffu; }
+  // The held word of the page after the one `h` describes.
+  __device__ __forceinline__ static uint32_t after(uint32_t h) {
+    return (h & 0x7fffffffu) + 1 == (uint32_t)NUM_PAGES ? (h & 0x80000000u) ^ 0x80000000u  // slot 0, next phase
+                                                         : h + 1;
+  }
   __device__ __forceinline__ void next() {  // cur -> cur + 1
-    if (cur < 0)
-      held = seq % NUM_PAGES | ((seq / NUM_PAGES) & 1u) << 31;
-    else if (slot() + 1 == (uint32_t)NUM_PAGES)
-      held = (held & 0x80000000u) ^ 0x80000000u;  // slot 0, the next phase
-    else
-      ++held;
+    held = cur < 0 ? seq % NUM_PAGES | ((seq / NUM_PAGES) & 1u) << 31 : after(held);
     ++cur;
+  }
+  // Wait for the held page to land; a page that never lands means a runtime bug: trap.
+  __device__ __forceinline__ void wait_held() const {
+    const uint32_t bar = full + 8u * slot(), parity = held >> 31;
+    if (!ptx::mbar_try_wait(bar, parity)) {
+      const unsigned long long t0 = ptx::globaltimer();
+      while (!ptx::mbar_try_wait(bar, parity))
+        if (ptx::globaltimer() - t0 > (unsigned long long)limit_ns) __trap();
+    }
   }
   // This thread is done reading page `cur`: every consumer thread arrives itself (the barrier
   // counts NUM_THREADS), so its reads are ordered before its own arrive with no warp sync and no
