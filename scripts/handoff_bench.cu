@@ -29,6 +29,7 @@
 #include <cuda_runtime.h>
 
 constexpr int THREADS = 256, PHASES = 2000, RING = 4, PAGE = 16384;
+constexpr int kMaxPer = 16;  // activation words per thread at most (n <= 4096)
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -155,11 +156,18 @@ __global__ void __launch_bounds__(THREADS + 96, 1)
     const int in = p & 1, out = in ^ 1;
     float mine = 0.f;
     if (kMode == 2) {
+      // Every word of this thread in flight at once, then re-read only the stale ones (phase
+      // p's input carries flag p); n / THREADS <= kMaxPer words a thread.
       const uint2* src = xf + (long long)in * n;
-      for (int i = tid; i < n; i += THREADS) {
-        uint2 v = ld_relaxed_v2(src + i);
-        while (v.y != (uint32_t)p) v = ld_relaxed_v2(src + i);  // phase p's input has flag p
-        mine += __uint_as_float(v.x);
+      uint2 v[kMaxPer];
+#pragma unroll
+      for (int j = 0; j < kMaxPer; ++j)
+        if (tid + j * THREADS < n) v[j] = ld_relaxed_v2(src + tid + j * THREADS);
+#pragma unroll
+      for (int j = 0; j < kMaxPer; ++j) {
+        if (tid + j * THREADS >= n) continue;
+        while (v[j].y != (uint32_t)p) v[j] = ld_relaxed_v2(src + tid + j * THREADS);
+        mine += __uint_as_float(v[j].x);
       }
     } else {
       if (kMode == 0) {
