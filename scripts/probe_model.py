@@ -12,7 +12,10 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
   no_mma     ablation (wrong outputs, timing only): the walk reads the weights but does no MMA,
   no_wload   ablation (wrong outputs, timing only): MMAs on a made-up fragment, no weight loads,
   attn_nokv  ablation (timing only): attention reads no cached key or value (only this step's),
-  no_units   the page protocol without the units (timing only).
+  no_units   the page protocol without the units (timing only),
+  quiet      the loader issues no copy while this CTA's consumers stage a task's input (RUN to
+             the kind's INPUT mark; a kind without one: its whole body): do the weight copies in
+             flight slow the activations' reads from L2?
 Per op role: the phase parts, and for pagewait the mean page wait of its linear tasks.
 
   python scripts/probe_model.py --model qwen3-0.6b [--runs none,pagewait] [--json]   # on the GPU
@@ -83,7 +86,27 @@ PATCHES["sparse_timer"] = {"runtime.cuh": [
 CACHE_ROW = "    return cache + (((long long)page * c.PS + (q - pi * c.PS)) * c.KVH + hh) * D;\n"
 PATCHES["attn_nokv"] = {"attention/sm90.cuh": [(CACHE_ROW, "    return nullptr;\n")]}
 PATCHES["no_loader_attn_nokv"] = {**PATCHES["no_loader"], **PATCHES["attn_nokv"]}
-RUNS = {"none": "none", "attn_nokv": "attn_nokv", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
+# The loader holds its next copy while the consumers stage a task's input: a CTA-wide flag set
+# when the consumers start a record and cleared at the kind's INPUT mark (profiling builds
+# stamp it) or when the record ends.
+QUIET_FLAG = "__shared__ int mpk_probe_staging;\n"
+PATCHES["quiet"] = {
+    "task_args.cuh": [
+        ("namespace mpk {\n", "namespace mpk {\n" + QUIET_FLAG),
+        ("    if (threadIdx.x == 0) marks[i] = ptx::globaltimer();\n",
+         "    if (threadIdx.x == 0) {\n      marks[i] = ptx::globaltimer();\n"
+         "      if (i == 0) ptx::st_release_cta(&mpk_probe_staging, 0);\n    }\n")],
+    "runtime.cuh": [
+        ("  sh.consumers_gone = 0;\n", "  sh.consumers_gone = 0;\n  mpk_probe_staging = 0;\n"),
+        ("    const TaskArgs a = task_args(p, sh, slot, ring, scratch, task_params);\n",
+         "    if (tid == 0) ptx::st_release_cta(&mpk_probe_staging, 1);\n"
+         "    const TaskArgs a = task_args(p, sh, slot, ring, scratch, task_params);\n"),
+        ("    task_sync();\n#ifdef MPK_PROFILE\n    if (tid == 0) slot.t_done",
+         "    task_sync();\n    if (tid == 0) ptx::st_release_cta(&mpk_probe_staging, 0);\n"
+         "#ifdef MPK_PROFILE\n    if (tid == 0) slot.t_done"),
+        (ISSUE, "        while (ptx::ld_acquire_cta(&mpk_probe_staging) &&\n"
+                "               !ptx::ld_acquire_cta(&sh.consumers_gone)) {\n        }\n" + ISSUE)]}
+RUNS = {"none": "none", "quiet": "quiet", "attn_nokv": "attn_nokv", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
         "sparse_timer": "sparse_timer",
         "no_loader_no_units": "no_loader_no_units",
         "no_loader_bare_units": "no_loader_bare_units",
@@ -92,16 +115,16 @@ RUNS = {"none": "none", "attn_nokv": "attn_nokv", "no_loader_attn_nokv": "no_loa
         "no_units": "no_units"}
 
 
-def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int) -> dict:
+def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batch: int) -> dict:
     from mpk.profile.run import profile_model
 
     patch = RUNS[name]
     with (include_dir(patch) as inc, probe_build(patch), tempfile.TemporaryDirectory() as out,
           page_config(page_bytes, max_pages)):
-        res = profile_model(get_preset(model), steps=steps, out_dir=out, repeats=3,
+        res = profile_model(get_preset(model), steps=steps, batch=batch, out_dir=out, repeats=3,
                             measure_bandwidth=False, extra_includes=(inc,))
     tl = res.timeline
-    row = {"run": name, "page_bytes": page_bytes, "ms_per_token": res.timing["profiled_ms_per_token"],
+    row = {"run": name, "batch": batch, "page_bytes": page_bytes, "ms_per_token": res.timing["profiled_ms_per_token"],
            "phases": {r.role: {"phase": round(r.phase_us, 2),
                                **{k: round(v, 2) for k, v in r.parts_us.items()}}
                       for r in res.phases}}
@@ -125,6 +148,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch", type=int, default=1)
     p.add_argument("--runs", default="none,pagewait,no_mma,no_wload")
     p.add_argument("--all", action="store_true", help="every run (with --dry-run: every patch)")
     p.add_argument("--page-bytes", type=int, default=codegen.PAGE_BYTES)
@@ -142,7 +166,7 @@ def main() -> int:
         return 0
     rows = []
     for name in names:
-        row = run(args.model, name, args.steps, args.page_bytes, args.max_pages)
+        row = run(args.model, name, args.steps, args.page_bytes, args.max_pages, args.batch)
         rows.append(row)
         print(f"{name}: {row['ms_per_token']:.3f} ms/token", flush=True)
         for role, parts in row["phases"].items():
