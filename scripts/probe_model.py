@@ -13,6 +13,8 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
   no_wload   ablation (wrong outputs, timing only): MMAs on a made-up fragment, no weight loads,
   attn_nokv  ablation (timing only): attention reads no cached key or value (only this step's),
   no_units   the page protocol without the units (timing only),
+  no_xread   ablation (wrong outputs, timing only): the linear staging stores zeros where its
+             cp.async copies of x would land (no global read of the input),
   quiet      the loader issues no copy while this CTA's consumers stage a task's input (RUN to
              the kind's INPUT mark; a kind without one: its whole body): do the weight copies in
              flight slow the activations' reads from L2?
@@ -106,7 +108,11 @@ PATCHES["quiet"] = {
          "#ifdef MPK_PROFILE\n    if (tid == 0) slot.t_done"),
         (ISSUE, "        while (ptx::ld_acquire_cta(&mpk_probe_staging) &&\n"
                 "               !ptx::ld_acquire_cta(&sh.consumers_gone)) {\n        }\n" + ISSUE)]}
-RUNS = {"none": "none", "quiet": "quiet", "attn_nokv": "attn_nokv", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
+# The staging without its global reads: zeros where the input would land (timing only).
+CP_X = "      dev::cp_async_act16(landing(s, r, v), t.x + (long long)r * t.K + k0 + v * 8);\n"
+PATCHES["no_xread"] = {"linear/sm90.cuh": [
+    (CP_X, "      *reinterpret_cast<uint4*>(landing(s, r, v)) = make_uint4(0u, 0u, 0u, 0u);\n")]}
+RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "attn_nokv", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
         "sparse_timer": "sparse_timer",
         "no_loader_no_units": "no_loader_no_units",
         "no_loader_bare_units": "no_loader_bare_units",

@@ -17,24 +17,24 @@
 // g = lane/4, k 8t..8t+7, t = lane%4; words w0..w3 = k pairs 8t+2i, +1) is, untouched, the B
 // fragment of two MMAs: (w0, w1) and (w2, w3). A dot product may visit k in any order, so MMA 1
 // pairs its k slots (2t, 2t+1 | 2t+8, 2t+9) with k (8t, 8t+1 | 8t+2, 8t+3) and MMA 2 with
-// (8t+4, 8t+5 | 8t+6, 8t+7). The staged input is laid out so one 16-byte shared read is a whole
-// A fragment (no register moves):
-//   batch <= 8 ("single"): row b's 8-k group stored as words (w0, w2, w1, w3). Both MMAs take
-//     that quad: MMA 1's rows 0-7 meet words 0, 1 (right), MMA 2's rows 8-15 meet words 2, 3 of
-//     the same input row (right); the other halves of D are discarded. Output (b, n) =
-//     D1[b][n] + D2[b + 8][n], both held by lane (b, n / 2).
-//   batch 9-16 ("paired"): rows p and p + 8 share a staged row, each 8-k group as 8 words
-//     (p.w0, p8.w0, p.w1, p8.w1 | p.w2, p8.w2, p.w3, p8.w3): two 16-byte reads are MMA 1's and
-//     MMA 2's A fragments; output (b, n) = D1[b][n] + D2[b][n].
+// (8t+4, 8t+5 | 8t+6, 8t+7). Each staged row stores its 8-k groups as words (w0, w2, w1, w3), so
+// a lane's 16-byte read q of row g holds both MMAs' words of that row without register moves:
+//   batch <= 8: both MMAs take q as their whole A fragment: MMA 1's rows 0-7 meet words 0, 1
+//     (right), MMA 2's rows 8-15 meet words 2, 3 of the same input row (right); the other halves
+//     of D are discarded. Output (b, n) = D1[b][n] + D2[b + 8][n], both held by lane (b, n / 2).
+//   batch 9-16 ("wide"): the lane also reads h, the same quad of row g + 8; MMA 1 takes
+//     (q.x, h.x, q.z, h.z) = words 0, 1 of rows g and g + 8, MMA 2 (q.y, h.y, q.w, h.w) = words
+//     2, 3; output (b, n) = D1[b][n] + D2[b][n].
 // A lane (g, t) ends with outputs (batch g and g + 8) x (stream rows 2t, 2t + 1); rows of A past
-// the batch hold copies or zeros and only reach discarded rows of D.
+// the batch read a real row (clamped) and only reach discarded rows of D.
 //
-// Input rows: copied with cp.async into place in natural order (a 16-byte vector per 8 k; the
-// paired layout's two halves), then each vector's words are permuted by the thread that copied it
-// (or by the rmsnorm pass, which writes the normalised values permuted), as the reference rounds
-// them (rmsnorm: bf16 values of numerics.rmsnorm_rows). Row strides spread a quarter-warp's
-// 16-byte reads over all banks (single: 64 mod 128 bytes, paired: 16 mod 128). Several chunks
-// (large K x batch) add each chunk's sums into fp32 `acc`.
+// Input rows: copied with cp.async into place in natural order, row after row (a 16-byte vector
+// per 8 k: a warp's copies are contiguous in global AND shared memory, so they coalesce; a
+// strided shared destination made every lane's copy its own wavefront and sector, perf-log tenth
+// session), then each vector's words are permuted in place (or by the rmsnorm pass, which writes
+// the normalised values permuted), as the reference rounds them (rmsnorm: bf16 values of
+// numerics.rmsnorm_rows). The row stride (64 mod 128 bytes) spreads a quarter-warp's 16-byte
+// reads over all banks. Several chunks (large K x batch) add each chunk's sums into fp32 `acc`.
 // Epilogues: plain (round to out's dtype, + residual rounded again for bf16), silu_mul (stream rows
 // r < 4 are gate, r + 4 up: lanes t and t ^ 2, paired by a shuffle), argmax (each output's key goes
 // into a shared 64-bit atomicMax: value-ordered, ties to the lowest index, NaN first;
@@ -60,13 +60,12 @@ static_assert(kRows == 8, "task_of divides by the row alignment (8, or 4 for sil
 constexpr int kUnitK = 32;
 constexpr int kUnitBytes = 512;
 constexpr int kPageUnits = PAGE_BYTES / kUnitBytes;
-constexpr int kXPad = 32;  // bf16 elements after each single staged row (task.py X_PAD)
-constexpr int kPairPad = 8;  // bf16 elements after each paired staged row
+constexpr int kXPad = 32;  // bf16 elements of padding per staged row (task.py X_PAD)
 constexpr int kMaxB = 16;
 
 struct Task {
   int B, K, N, T, xc, nch, align, rgs, n0, n1;
-  bool paired;  // B > 8: rows p and p + 8 share a staged row (header)
+  bool wide;  // B > 8: a lane's A rows g and g + 8 are both real (header)
   bool silu, rms, res, f32, argmax, sampling;
   float eps;
   const bf16* x;
@@ -80,7 +79,7 @@ struct Task {
   int step;
 };
 
-// Shared scratch: [xs: B (single) or 8 (paired) rows of XS bf16][part: 2 x kWarps x 8 x 16 f32]
+// Shared scratch: [xs: B rows of XS bf16][part: 2 x kWarps x 8 x 16 f32]
 // [red: 16 x kWarps f32]
 // [best: 16 u64][sampling: 16 x (seed u64, position i64, temperature f32)]
 // [nw: K bf16 when chunked with rmsnorm][acc: rgs x 8 x B f32]
@@ -99,12 +98,11 @@ struct Scratch {
 
 __device__ __forceinline__ Scratch carve(const Task& t, char* smem) {
   Scratch s;
-  // Row strides (bytes): single 64 mod 128, paired 16 mod 128 (header: conflict-free A reads).
-  s.XS = t.paired ? (2 * t.xc + 63) / 64 * 64 + kPairPad
-                  : (t.xc + 2 * kXPad - 1) / (2 * kXPad) * (2 * kXPad) + kXPad;
+  // Row stride 64 mod 128 bytes (header: conflict-free A reads).
+  s.XS = (t.xc + 2 * kXPad - 1) / (2 * kXPad) * (2 * kXPad) + kXPad;
   char* p = smem;
   s.xs = reinterpret_cast<bf16*>(p);
-  p += (((t.paired ? kRows : t.B) * s.XS * 2 + 15) / 16) * 16;
+  p += ((t.B * s.XS * 2 + 15) / 16) * 16;
   s.part = reinterpret_cast<float*>(p);
   p += 2 * kWarps * kRows * kMaxB * 4;
   s.red = reinterpret_cast<float*>(p);
@@ -162,74 +160,63 @@ __device__ __forceinline__ float load_resid(const Task& t, int b, int n) {
 __device__ __forceinline__ int out_col(const Task& t, int rg, int g) { return t.n0 + rg * kRows + g; }
 
 // ---- input staging ---------------------------------------------------------------------------
-// Where the 8 k of vector v of input row b land before the permutation (natural order): single,
-// row b; paired, half b / 8 of staged row b % 8.
-__device__ __forceinline__ bf16* landing(const Task& t, const Scratch& s, int b, int v) {
-  return t.paired ? s.xs + (b & (kRows - 1)) * s.XS + v * 16 + (b >> 3) * 8
-                  : s.xs + b * s.XS + v * 8;
-}
+// Where the 8 k of vector v of input row b land (natural order until permuted in place).
+__device__ __forceinline__ bf16* landing(const Scratch& s, int b, int v) { return s.xs + b * s.XS + v * 8; }
 
-// The A-fragment order of one staged vector (single) or vector pair (paired), from natural order.
+// The A-fragment order of one staged vector, from natural order.
 __device__ __forceinline__ uint4 single_order(const uint4& w) { return make_uint4(w.x, w.z, w.y, w.w); }
-// (By value: `at` may be where lo and hi were read from.)
-__device__ __forceinline__ void store_pair(bf16* at, const uint4 lo, const uint4 hi) {
-  uint4* q = reinterpret_cast<uint4*>(at);
-  q[0] = make_uint4(lo.x, hi.x, lo.y, hi.y);
-  q[1] = make_uint4(lo.z, hi.z, lo.w, hi.w);
-}
 
-// Copy x[b][k0, k0+kc) of every row into place with cp.async, zeros for k in [kc, kfill) and for
-// the paired layout's rows past B. `permute`: each thread then puts the vectors it copied into
-// A-fragment order (no barrier needed: its own copies); without it (rmsnorm) they stay natural
-// for the norm pass. Ends with a barrier.
+// Copy x[b][k0, k0+kc) of every row into place with cp.async, zeros for k in [kc, kfill).
+// `permute`: each thread then puts the vectors it copied into A-fragment order (no barrier
+// needed: its own copies); without it (rmsnorm) they stay natural for the norm pass. Ends with a
+// barrier.
 __device__ __forceinline__ void stage_raw(const Task& t, const Scratch& s, int k0, int kc,
                                           int kfill, bool permute) {
   const int tid = threadIdx.x;
   const int vpr = kc / 8, vfill = kfill / 8;
-  const int rows = t.paired ? kRows : t.B;  // staged rows
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  for (int idx = tid; idx < rows * vfill; idx += NUM_THREADS) {
+  for (int idx = tid; idx < t.B * vfill; idx += NUM_THREADS) {
     const int r = idx / vfill, v = idx - r * vfill;
-    const int hi = r + kRows;  // the paired row's second input row
-    if (v < vpr) {
-      dev::cp_async_act16(landing(t, s, r, v), t.x + (long long)r * t.K + k0 + v * 8);
-      if (t.paired && hi < t.B)
-        dev::cp_async_act16(landing(t, s, hi, v), t.x + (long long)hi * t.K + k0 + v * 8);
-    } else {
-      *reinterpret_cast<uint4*>(landing(t, s, r, v)) = zero;
-    }
-    if (t.paired && (v >= vpr || hi >= t.B)) *reinterpret_cast<uint4*>(landing(t, s, hi, v)) = zero;
+    if (v < vpr)
+      dev::cp_async_act16(landing(s, r, v), t.x + (long long)r * t.K + k0 + v * 8);
+    else
+      *reinterpret_cast<uint4*>(landing(s, r, v)) = make_uint4(0u, 0u, 0u, 0u);
   }
   dev::cp_async_commit();
   dev::cp_async_wait_all();
   if (permute) {
-    for (int idx = tid; idx < rows * vfill; idx += NUM_THREADS) {
+    for (int idx = tid; idx < t.B * vfill; idx += NUM_THREADS) {
       const int r = idx / vfill, v = idx - r * vfill;
-      uint4* at = reinterpret_cast<uint4*>(landing(t, s, r, v));
-      if (t.paired)
-        store_pair(reinterpret_cast<bf16*>(at), at[0], at[1]);
-      else
-        *at = single_order(*at);
+      uint4* at = reinterpret_cast<uint4*>(landing(s, r, v));
+      *at = single_order(*at);
     }
   }
   mpk::task_sync();
 }
 
 // Sum of squares of the landed (natural-order) rows' first kc elements into red[b][warp] (+= when
-// `add`).
+// `add`). Every row at once: a thread's vectors of all rows first, then one warp sum per row (the
+// per-row sums come out bit-identical to summing row after row, in a fraction of the latency).
 __device__ __forceinline__ void sum_squares(const Task& t, const Scratch& s, int kc, bool add) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int vpr = kc / 8;
-  for (int b = 0; b < t.B; ++b) {
-    float ss = 0.f;
-    for (int v = tid; v < vpr; v += NUM_THREADS) {
-      float f[8];
-      dev::unpack8(*reinterpret_cast<const uint4*>(landing(t, s, b, v)), f);
+  float ss[kMaxB];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) ss = fmaf(f[e], f[e], ss);
+  for (int b = 0; b < kMaxB; ++b) ss[b] = 0.f;
+  for (int v = tid; v < vpr; v += NUM_THREADS) {
+#pragma unroll
+    for (int b = 0; b < kMaxB; ++b) {
+      if (b >= t.B) break;
+      float f[8];
+      dev::unpack8(*reinterpret_cast<const uint4*>(landing(s, b, v)), f);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss[b] = fmaf(f[e], f[e], ss[b]);
     }
-    ss = dev::warp_sum(ss);
-    if (lane == 0) s.red[b * kWarps + warp] = add ? s.red[b * kWarps + warp] + ss : ss;
+  }
+#pragma unroll
+  for (int b = 0; b < kMaxB; ++b) {
+    if (b >= t.B) break;
+    const float sum = dev::warp_sum(ss[b]);
+    if (lane == 0) s.red[b * kWarps + warp] = add ? s.red[b * kWarps + warp] + sum : sum;
   }
 }
 
@@ -253,29 +240,21 @@ __device__ __forceinline__ uint4 norm_vec(const uint4& x, const float (&fw)[8], 
 // rmsnorm the landed chunk (norm weight nw[k0 ..], the rows' sums of squares complete in red)
 // and put it into A-fragment order; ends with a barrier. Lane b of every warp derives row b's
 // inverse rms and the warp shares it by shuffles (no extra barrier for one thread to publish it;
-// the division stays out of the loop). Paired rows past B stay zero.
+// the division stays out of the loop).
 __device__ __forceinline__ void normalize(const Task& t, const Scratch& s, const bf16* nw, int k0,
                                           int kc) {
-  const int vpr = kc / 8, lane = threadIdx.x & 31;
-  const int rows = t.paired ? kRows : t.B, total = rows * vpr;
+  const int vpr = kc / 8, lane = threadIdx.x & 31, total = t.B * vpr;
   const float inv = lane < t.B ? row_inv(t, s, lane) : 0.f;
-  // Whole warps per round, so every lane takes part in the shuffles.
+  // Whole warps per round, so every lane takes part in the shuffle.
   for (int base = threadIdx.x - lane; base < total; base += NUM_THREADS) {
     const int idx = base + lane;
-    const int r = min(idx / vpr, rows - 1), v = idx - r * vpr;
-    const float inv_lo = __shfl_sync(0xffffffffu, inv, r);
-    const float inv_hi = __shfl_sync(0xffffffffu, inv, min(r + kRows, 31));
+    const int r = min(idx / vpr, t.B - 1), v = idx - r * vpr;
+    const float inv_r = __shfl_sync(0xffffffffu, inv, r);
     if (idx >= total) continue;
     float fw[8];
     dev::unpack8(*reinterpret_cast<const uint4*>(nw + k0 + v * 8), fw);
-    uint4* at = reinterpret_cast<uint4*>(landing(t, s, r, v));
-    const uint4 lo = norm_vec(at[0], fw, inv_lo);
-    if (t.paired) {
-      const int hi = r + kRows;
-      store_pair(reinterpret_cast<bf16*>(at), lo, hi < t.B ? norm_vec(at[1], fw, inv_hi) : at[1]);
-    } else {
-      *at = single_order(lo);
-    }
+    uint4* at = reinterpret_cast<uint4*>(landing(s, r, v));
+    *at = single_order(norm_vec(*at, fw, inv_r));
   }
   mpk::task_sync();
 }
@@ -289,17 +268,25 @@ struct Acc {
 constexpr int kWarpUnitsPerPage = kPageUnits / kWarps;
 static_assert(kPageUnits % kWarps == 0, "a page holds whole rounds of the warps' units");
 
-// One unit: the weight read w is both MMAs' B fragments; a (and a2, paired) their A fragments.
-__device__ __forceinline__ void mma_unit(Acc& c, const uint4& w, const uint4& a, const uint4& a2) {
-  dev::mma_bf16_16816(c.p, a.x, a.y, a.z, a.w, w.x, w.y);
-  dev::mma_bf16_16816(c.q, a2.x, a2.y, a2.z, a2.w, w.z, w.w);
+// One unit: the weight read w is both MMAs' B fragments; q (row g's quad) and, wide, h (row
+// g + 8's) give their A fragments (header).
+template <bool kWide>
+__device__ __forceinline__ void mma_unit(Acc& c, const uint4& w, const uint4& q, const uint4& h) {
+  if (kWide) {
+    dev::mma_bf16_16816(c.p, q.x, h.x, q.z, h.z, w.x, w.y);
+    dev::mma_bf16_16816(c.q, q.y, h.y, q.w, h.w, w.z, w.w);
+  } else {
+    dev::mma_bf16_16816(c.p, q.x, q.y, q.z, q.w, w.x, w.y);
+    dev::mma_bf16_16816(c.q, q.x, q.y, q.z, q.w, w.z, w.w);
+  }
 }
 
 // This warp's units of one page (units u, u + kWarps, ... below stop), alternating between two
 // accumulator chains. kWhole: all kWarpUnitsPerPage of them, with no per-unit bounds, so the
-// unit loads can run ahead of the MMAs. x: the lane's A fragment address of unit u.
-template <bool kWhole, bool kPaired>
-__device__ __forceinline__ void page_units(uint32_t pg, int u, int stop, unsigned x,
+// unit loads can run ahead of the MMAs. x (xh): the lane's quad address of unit u in row g
+// (g + 8).
+template <bool kWhole, bool kWide>
+__device__ __forceinline__ void page_units(uint32_t pg, int u, int stop, unsigned x, unsigned xh,
                                            unsigned xstep, Acc& acc, Acc& extra) {
   const uint32_t wu = pg + ((unsigned)u % kPageUnits) * kUnitBytes;  // unit u in the page
 #pragma unroll
@@ -309,8 +296,8 @@ __device__ __forceinline__ void page_units(uint32_t pg, int u, int stop, unsigne
       // Unit uj sits j * kWarps units after unit u on the same page (u is the warp's first unit
       // of this page): a constant offset.
       const uint4 w = dev::lds_v4(wu + j * kWarps * kUnitBytes);
-      const uint4 a = dev::lds_v4(x + j * xstep);
-      mma_unit((j & 1) ? extra : acc, w, a, kPaired ? dev::lds_v4(x + j * xstep + 16) : a);
+      const uint4 q = dev::lds_v4(x + j * xstep);
+      mma_unit<kWide>((j & 1) ? extra : acc, w, q, kWide ? dev::lds_v4(xh + j * xstep) : q);
     }
   }
 }
@@ -320,20 +307,21 @@ __device__ __forceinline__ void page_units(uint32_t pg, int u, int stop, unsigne
 // per page, then the page's units (page_units) on two accumulator chains. (One accumulator and a
 // wait, loads and an index division per unit made every unit a ~300-cycle dependent chain:
 // scripts/probe_phases.py.)
-template <bool kPaired>
+template <bool kWide>
 __device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::PageCursor& pc,
                                           int pbase, int u0, int nb, int nk, float (&r)[4]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, tq = lane & 3;
   const int first = u0 + ((warp - u0) & (kWarps - 1));  // kWarps and nb: powers of two
   const int end = u0 + nb * nk;
-  // Staged bytes per k group (32 k) of a staged row, and a lane's A fragment in it.
-  constexpr unsigned kGroupBytes = kPaired ? 128u : 64u;
+  // Staged bytes per k group (32 k) of a staged row, and a lane's quad in it.
+  constexpr unsigned kGroupBytes = 64u;
   // A warp's units are kWarps apart: k groups kWarps / nb apart (nb divides kWarps).
   const unsigned xstep = (unsigned)(kWarps >> (31 - __clz(nb))) * kGroupBytes;
   const unsigned kg0 = (unsigned)((first - u0) >> (31 - __clz(nb))) * kGroupBytes;  // its k group
-  const int row = kPaired ? g : min(g, t.B - 1);  // rows past B read a real row: D rows discarded
-  const unsigned x = dev::smem_addr(s.xs + row * s.XS) + tq * (kGroupBytes / 4) + kg0;
+  // Rows past B read a real row: they only reach discarded rows of D.
+  const unsigned x = dev::smem_addr(s.xs + min(g, t.B - 1) * s.XS) + tq * (kGroupBytes / 4) + kg0;
+  const unsigned xh = kWide ? x + (unsigned)((min(g + kRows, t.B - 1) - g) * s.XS * 2) : x;
   Acc acc, extra;  // two chains
 #pragma unroll
   for (int e = 0; e < 4; ++e) acc.p[e] = acc.q[e] = extra.p[e] = extra.q[e] = 0.f;
@@ -347,11 +335,11 @@ __device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::
       const int stop = min(end, (int)((unsigned)u / kPageUnits + 1) * kPageUnits);
       const bool ahead = pc.next_landed();  // answered while this page's units run
       if (u + (kWarpUnitsPerPage - 1) * kWarps < stop) {  // the warp's whole round of this page
-        page_units<true, kPaired>(pg, u, stop, x + xo, xstep, acc, extra);
+        page_units<true, kWide>(pg, u, stop, x + xo, xh + xo, xstep, acc, extra);
         u += kPageUnits;
         xo += kWarpUnitsPerPage * xstep;
       } else {
-        page_units<false, kPaired>(pg, u, stop, x + xo, xstep, acc, extra);
+        page_units<false, kWide>(pg, u, stop, x + xo, xh + xo, xstep, acc, extra);
         const int taken = (int)((unsigned)(stop - u + kWarps - 1) / kWarps);
         u += taken * kWarps;
         xo += taken * xstep;
@@ -362,8 +350,8 @@ __device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    // single: output (g, n) = D1[g][n] + D2[g + 8][n]; paired: D1 + D2 for both rows (header)
-    r[j] = kPaired ? (acc.p[j] + extra.p[j]) + (acc.q[j] + extra.q[j])
+    // batch <= 8: output (g, n) = D1[g][n] + D2[g + 8][n]; wide: D1 + D2 for both rows (header)
+    r[j] = kWide ? (acc.p[j] + extra.p[j]) + (acc.q[j] + extra.q[j])
            : j < 2 ? (acc.p[j] + extra.p[j]) + (acc.q[j + 2] + extra.q[j + 2])
                    : 0.f;
   }
@@ -371,7 +359,7 @@ __device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::
 
 __device__ __forceinline__ void walk(const Task& t, const Scratch& s, mpk::PageCursor& pc,
                                      int pbase, int u0, int nb, int nk, float (&r)[4]) {
-  if (t.paired)
+  if (t.wide)
     mma_block<true>(t, s, pc, pbase, u0, nb, nk, r);
   else
     mma_block<false>(t, s, pc, pbase, u0, nb, nk, r);
@@ -504,7 +492,7 @@ __device__ __forceinline__ void finish_shared(const Task& t, const Scratch& s, i
 __device__ __forceinline__ Task task_of(const mpk::TaskArgs& a) {
   Task t;
   t.B = a.i(P_BATCH);
-  t.paired = t.B > kRows;
+  t.wide = t.B > kRows;
   t.K = a.i(P_K);
   t.N = a.i(P_N);
   t.T = a.i(P_TASKS);
