@@ -206,3 +206,30 @@ def test_mpk_check_of_a_moe_model(capsys: pytest.CaptureFixture[str], tmp_path: 
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("mpk: error: ")
     assert "mlp_only_layers must be a sorted tuple of distinct layer indices in [0, 3)" in lines[0]
+
+
+class _WrongRow(CpuExecutor):
+    """A "backend" that feeds one batch row another token: only that row's values differ."""
+
+    def __init__(self, plan: Plan, row: int, vocab: int) -> None:
+        super().__init__(plan)
+        self.row, self.vocab = row, vocab
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if name == "prompt":
+            tensor = tensor.clone()
+            tensor[..., self.row] = (tensor[..., self.row] + 1) % self.vocab
+        super().write(name, tensor)
+
+
+def test_a_batch_of_16_is_checked_row_by_row() -> None:
+    """`mpk check --batch 16`: every row has its own prompt and pages; a correct backend passes,
+    and one whose row 12 alone (past the kernels' first group of 8 rows) goes wrong is caught."""
+    cfg, weights = _model()
+    rows = run_check(cfg, range(LAYERS), "cpu", seed=3, weights=weights, batch=16)
+    assert all(r.passed for r in rows), [r for r in rows if not r.passed]
+    wrong = {r.tensor: r for r in run_check(cfg, range(LAYERS),
+                                            lambda plan: _WrongRow(plan, 12, cfg.vocab_size),
+                                            seed=3, weights=weights, batch=16)}
+    assert not wrong["hidden after layer 0"].passed
+    assert not wrong["whole model: logits vs reference model"].passed

@@ -102,18 +102,20 @@ def slice_weights(weights: dict[str, torch.Tensor], layers: range) -> dict[str, 
 
 def run_check(cfg: ModelConfig, layers: range, backend: str | ExecutorFactory, seed: int = 0,
               num_sms: int | None = None, steps: int = 2,
-              weights: dict[str, torch.Tensor] | None = None) -> list[CheckRow]:
+              weights: dict[str, torch.Tensor] | None = None, batch: int = 1) -> list[CheckRow]:
     """Rows of the per-layer check, the whole-model launch and the reference model (see the
     module doc). `backend`: "cpu", "cuda", or a function making an executor for a plan (tests).
     `weights`: the whole model's (a checkpoint's), cut to `layers`; by default random weights
-    of the slice alone, drawn from `seed`."""
+    of the slice alone, drawn from `seed`. `batch`: rows decoded together, each its own prompt."""
     weights = (slice_weights(weights, layers) if weights is not None
                else random_weights(slice_config(cfg, layers), seed=seed))
     cfg = slice_config(cfg, layers)
     make = _factory(backend, seed)
     if num_sms is None:
         num_sms = get_backend(backend).num_sms() if isinstance(backend, str) else CPU_NUM_SMS
-    shape = DecodeShape(batch=1, steps_per_launch=steps, page_size=16, max_pages=4, num_pages=8)
+    # Every row owns max_pages pages of the shuffled pool (bind_model).
+    shape = DecodeShape(batch=batch, steps_per_launch=steps, page_size=16, max_pages=4,
+                        num_pages=max(8, 4 * batch))
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (steps, shape.batch), generator=gen,
                            dtype=torch.int32)

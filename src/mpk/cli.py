@@ -202,12 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
     c = command("check", "Compare a backend's buffers with the reference, layer by layer.", (
         "  mpk check --model tiny-qwen3 --layers 0-1 --backend cpu\n"
         "  mpk check --model qwen3-0.6b --layers 0-3 --backend cuda --seed 1\n"
+        "  mpk check --model qwen3-0.6b --batch 16 --backend cuda\n"
         "  mpk check --checkpoint ~/models/Qwen3-0.6B --layers 10-11 --backend cuda"), _cmd_check)
     _add_model_args(c)
     c.add_argument("--layers", type=_layer_range, default=None, metavar="A-B",
                    help="layers to build and compare, e.g. 0-1 (default: 0; for a MoE model "
                         "with dense layers, up to its first layer of the other kind)")
     _add_backend_arg(c)
+    c.add_argument("--batch", type=_positive, default=1, metavar="B",
+                   help="rows decoded together, each with its own prompt (default: 1)")
     c.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     c.add_argument("--json", action="store_true", help="print the rows as one JSON object")
     b = command("bench", "Time MPK against torch.compile on the same weights (needs a GPU), or "

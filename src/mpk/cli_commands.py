@@ -209,10 +209,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
     # a checkpoint's layers are cut out of the whole model.
     weights = ModelSource(cfg, args.checkpoint).load("cpu") if args.checkpoint else None
     rows = [_check_row(r) for r in run_check(cfg, layers=layers, backend=backend,
-                                             seed=args.seed, weights=weights)]
+                                             seed=args.seed, weights=weights, batch=args.batch)]
     failed = [r for r in rows if not r["passed"]]
     if args.json:
         print(json.dumps({"model": model, "backend": backend, "seed": args.seed,
+                          "batch": args.batch,
                           "layers": [layers.start, layers.stop - 1], "rows": rows,
                           "passed": not failed}))
     else:
@@ -221,8 +222,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
         shown = rows if len(rows) <= CHECK_ROWS_SHOWN else failed + sorted(
             (r for r in rows if r["passed"]), key=lambda r: -r["rel_err"])[:10]
         _console().print(_table(
-            f"{model} layers {layers.start}-{layers.stop - 1}: {backend} vs the "
-            f"interpreter, layer by layer" + ("" if shown is rows else
+            f"{model} layers {layers.start}-{layers.stop - 1}, batch {args.batch}: {backend} vs "
+            f"the interpreter, layer by layer" + ("" if shown is rows else
                                               " (failures and the 10 closest passes)"),
             ("tensor", "rel err", "tolerance", "ok"),
             [(r["tensor"], f"{r['rel_err']:.2e}", f"{r['tolerance']:.0e}",

@@ -42,6 +42,17 @@ def test_every_buffer_matches_interpreter(preset: str, num_layers: int | None) -
     assert not bad, "\n".join(f"{r.tensor}: rel err {r.rel_err:.3g} > {r.tolerance}" for r in bad)
 
 
+@pytest.mark.parametrize(("preset", "num_layers"), [("tiny-qwen3", None), ("qwen3-0.6b", 1)])
+def test_every_buffer_matches_interpreter_at_batch_16(preset: str, num_layers: int | None) -> None:
+    """Batch 16 takes the kernels' wide paths (the linear walk's rows g and g + 8, attention's
+    16 rows per head): every row against the interpreter."""
+    cfg = get_preset(preset)
+    layers = range(num_layers if num_layers else cfg.num_layers)
+    rows = run_check(cfg, layers, "cuda", seed=SEED, batch=16)
+    bad = [r for r in rows if not r.passed]
+    assert not bad, "\n".join(f"{r.tensor}: rel err {r.rel_err:.3g} > {r.tolerance}" for r in bad)
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "qwen3-0.6b", "llama-3.2-1b", "tiny-qwen3-moe"])
 def test_greedy_64_tokens_teacher_forced(preset: str) -> None:
     cfg = get_preset(preset)
