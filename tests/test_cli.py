@@ -321,8 +321,8 @@ def test_check_with_a_stub(capsys: pytest.CaptureFixture[str],
                            monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 
-    def run_check(cfg, layers, backend, seed, weights=None):
-        calls.append((cfg.name, layers, backend, seed))
+    def run_check(cfg, layers, backend, seed, weights=None, batch=1):
+        calls.append((cfg.name, layers, backend, seed, batch))
         assert weights is None  # a preset: run_check draws the slice's random weights
         return [("layers.0.qkv", 1e-3, 1e-2, True), ("hidden", 5e-2, 1e-2, False)]
 
@@ -330,7 +330,9 @@ def test_check_with_a_stub(capsys: pytest.CaptureFixture[str],
     code, out, _ = run(capsys, "check", "--model", "tiny-qwen3", "--layers", "0-1",
                        "--backend", "cpu", "--seed", "4")
     assert code == 1  # one row failed
-    assert calls == [("tiny-qwen3", range(0, 2), "cpu", 4)]
+    assert calls == [("tiny-qwen3", range(0, 2), "cpu", 4, 1)]
+    run(capsys, "check", "--model", "tiny-qwen3", "--batch", "16", "--backend", "cpu")
+    assert calls[-1][-1] == 16
     assert "layers.0.qkv" in out and "1 of 2 tensors within tolerance" in out
     code, _, err = run(capsys, "check", "--model", "tiny-qwen3", "--layers", "0-5",
                        "--backend", "cpu")
@@ -357,9 +359,9 @@ def test_check_a_checkpoint_slice(capsys: pytest.CaptureFixture[str], checkpoint
     seen = {}
     real = mpk.check.run_check
 
-    def spy(cfg, layers, backend, seed, weights=None):
+    def spy(cfg, layers, backend, seed, weights=None, batch=1):
         seen["weights"] = weights
-        return real(cfg, layers, backend, seed=seed, weights=weights)
+        return real(cfg, layers, backend, seed=seed, weights=weights, batch=batch)
 
     monkeypatch.setattr(mpk.check, "run_check", spy)
     code, out, err = run(capsys, "check", "--checkpoint", str(checkpoint), "--layers", "1",

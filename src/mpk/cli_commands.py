@@ -221,9 +221,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
         # closest passes tell the story (--json has every row).
         shown = rows if len(rows) <= CHECK_ROWS_SHOWN else failed + sorted(
             (r for r in rows if r["passed"]), key=lambda r: -r["rel_err"])[:10]
+        batch = f", batch {args.batch}" if args.batch > 1 else ""
         _console().print(_table(
-            f"{model} layers {layers.start}-{layers.stop - 1}, batch {args.batch}: {backend} vs "
-            f"the interpreter, layer by layer" + ("" if shown is rows else
+            f"{model} layers {layers.start}-{layers.stop - 1}{batch}: {backend} vs the "
+            f"interpreter, layer by layer" + ("" if shown is rows else
                                               " (failures and the 10 closest passes)"),
             ("tensor", "rel err", "tolerance", "ok"),
             [(r["tensor"], f"{r['rel_err']:.2e}", f"{r['tolerance']:.0e}",
