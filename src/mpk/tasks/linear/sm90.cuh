@@ -24,7 +24,9 @@
 //     of D are discarded. Output (b, n) = D1[b][n] + D2[b + 8][n], both held by lane (b, n / 2).
 //   batch 9-16 ("wide"): the lane also reads h, the same quad of row g + 8; MMA 1 takes
 //     (q.x, h.x, q.z, h.z) = words 0, 1 of rows g and g + 8, MMA 2 (q.y, h.y, q.w, h.w) = words
-//     2, 3; output (b, n) = D1[b][n] + D2[b][n].
+//     2, 3; output (b, n) = D1[b][n] + D2[b][n]. Those fragments are not whole 16-byte reads, so
+//     ptxas gathers them with register moves (6 per unit in the sm_90a build; perf-log).
+//     The row-major staging keeps the cp.async copies coalesced (below).
 // A lane (g, t) ends with outputs (batch g and g + 8) x (stream rows 2t, 2t + 1); rows of A past
 // the batch read a real row (clamped) and only reach discarded rows of D.
 //
