@@ -23,32 +23,24 @@ SEED = 20261201  # fixed: CI is deterministic (vary it by hand to sweep)
 
 pytestmark = pytest.mark.gpu
 
-# (preset, layer slices): a one-layer slice and the whole model, except qwen3-8b, whose 36
-# one-layer interpreter runs would take minutes: there two layers.
+# (preset, layer slices, batch): a one-layer slice and the whole model, except qwen3-8b, whose
+# 36 one-layer interpreter runs would take minutes: there two layers. Batch 16 takes the kernels'
+# wide paths (the linear walk's rows g and g + 8, attention's 16 rows per head).
 CASES = [
-    ("tiny-qwen3", None), ("tiny-llama", None),
-    ("qwen3-0.6b", 1), ("qwen3-0.6b", None),
-    ("llama-3.2-1b", 1), ("llama-3.2-1b", None),
-    ("qwen3-8b", 1), ("qwen3-8b", 2),
+    ("tiny-qwen3", None, 1), ("tiny-llama", None, 1),
+    ("qwen3-0.6b", 1, 1), ("qwen3-0.6b", None, 1),
+    ("llama-3.2-1b", 1, 1), ("llama-3.2-1b", None, 1),
+    ("qwen3-8b", 1, 1), ("qwen3-8b", 2, 1),
+    ("tiny-qwen3", None, 16), ("qwen3-0.6b", 1, 16),
 ]
 
 
-@pytest.mark.parametrize(("preset", "num_layers"), CASES)
-def test_every_buffer_matches_interpreter(preset: str, num_layers: int | None) -> None:
+@pytest.mark.parametrize(("preset", "num_layers", "batch"), CASES,
+                         ids=[f"{p}-{n or 'all'}-b{b}" for p, n, b in CASES])
+def test_every_buffer_matches_interpreter(preset: str, num_layers: int | None, batch: int) -> None:
     cfg = get_preset(preset)
     layers = range(num_layers if num_layers else cfg.num_layers)
-    rows = run_check(cfg, layers, "cuda", seed=SEED)
-    bad = [r for r in rows if not r.passed]
-    assert not bad, "\n".join(f"{r.tensor}: rel err {r.rel_err:.3g} > {r.tolerance}" for r in bad)
-
-
-@pytest.mark.parametrize(("preset", "num_layers"), [("tiny-qwen3", None), ("qwen3-0.6b", 1)])
-def test_every_buffer_matches_interpreter_at_batch_16(preset: str, num_layers: int | None) -> None:
-    """Batch 16 takes the kernels' wide paths (the linear walk's rows g and g + 8, attention's
-    16 rows per head): every row against the interpreter."""
-    cfg = get_preset(preset)
-    layers = range(num_layers if num_layers else cfg.num_layers)
-    rows = run_check(cfg, layers, "cuda", seed=SEED, batch=16)
+    rows = run_check(cfg, layers, "cuda", seed=SEED, batch=batch)
     bad = [r for r in rows if not r.passed]
     assert not bad, "\n".join(f"{r.tensor}: rel err {r.rel_err:.3g} > {r.tolerance}" for r in bad)
 

@@ -81,10 +81,9 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
                : "memory");
 }
-// True once the phase with parity `parity` has completed (a fresh barrier counts its phase
-// "-1", parity 1, as completed). May suspend for a short, hardware-chosen time.
-// Non-blocking test of the same phase: never suspends the thread (a walk asks a page ahead and
-// uses the answer later, so the check's latency hides under the current page's work).
+// Non-blocking test of the phase mbar_try_wait waits for: never suspends the thread (a walk
+// asks a page ahead and uses the answer later, so the check's latency hides under the current
+// page's work).
 __device__ __forceinline__ bool mbar_test_wait(uint32_t bar, uint32_t parity) {
   uint32_t done;
   asm volatile(
@@ -96,6 +95,8 @@ __device__ __forceinline__ bool mbar_test_wait(uint32_t bar, uint32_t parity) {
   return done != 0;
 }
 
+// True once the phase with parity `parity` has completed (a fresh barrier counts its phase
+// "-1", parity 1, as completed). May suspend for a short, hardware-chosen time.
 __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
   uint32_t done;
   asm volatile(
