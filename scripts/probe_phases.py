@@ -60,8 +60,8 @@ STAMP = stamp()
 STAGE = "    stage_chunk(t, s, nw, ch);\n"
 CHUNK_END = "    if (ch + 1 < t.nch) mpk::task_sync();\n"
 FINISH = "  pc.finish();\n  if (t.argmax)"
-UNIT_X = "      const uint4 q = dev::lds_v4(x + j * xstep);\n"
-UNIT_MMA = ("      mma_unit<kWide>((j & 1) ? extra : acc, w, q, kWide ? dev::lds_v4(xh + j * xstep) : q);"
+UNIT_X = "      const uint4 a = dev::lds_v4(x + j * xstep);\n"
+UNIT_MMA = ("      mma_unit((j & 1) ? extra : acc, w, a, kWide ? dev::lds_v4(xh + j * xstep) : a);"
             "\n")
 UNIT_W = "      const uint4 w = dev::lds_v4(wu + j * kWarps * kUnitBytes);\n"
 FIRST_WAIT = "    if (!ptx::mbar_try_wait(bar, parity)) {\n"

@@ -17,26 +17,29 @@
 // g = lane/4, k 8t..8t+7, t = lane%4; words w0..w3 = k pairs 8t+2i, +1) is, untouched, the B
 // fragment of two MMAs: (w0, w1) and (w2, w3). A dot product may visit k in any order, so MMA 1
 // pairs its k slots (2t, 2t+1 | 2t+8, 2t+9) with k (8t, 8t+1 | 8t+2, 8t+3) and MMA 2 with
-// (8t+4, 8t+5 | 8t+6, 8t+7). Each staged row stores its 8-k groups as words (w0, w2, w1, w3), so
-// a lane's 16-byte read q of row g holds both MMAs' words of that row without register moves:
-//   batch <= 8: both MMAs take q as their whole A fragment: MMA 1's rows 0-7 meet words 0, 1
-//     (right), MMA 2's rows 8-15 meet words 2, 3 of the same input row (right); the other halves
-//     of D are discarded. Output (b, n) = D1[b][n] + D2[b + 8][n], both held by lane (b, n / 2).
-//   batch 9-16 ("wide"): the lane also reads h, the same quad of row g + 8; MMA 1 takes
-//     (q.x, h.x, q.z, h.z) = words 0, 1 of rows g and g + 8, MMA 2 (q.y, h.y, q.w, h.w) = words
-//     2, 3; output (b, n) = D1[b][n] + D2[b][n]. Those fragments are not whole 16-byte reads, so
-//     ptxas gathers them with register moves (6 per unit in the sm_90a build; perf-log).
-//     The row-major staging keeps the cp.async copies coalesced (below).
+// (8t+4, 8t+5 | 8t+6, 8t+7).
+//   batch <= 8: each staged row stores its 8-k groups as words (w0, w2, w1, w3), so a lane's
+//     16-byte read q of row g holds both MMAs' words of that row without register moves, and
+//     both MMAs take q as their whole A fragment: MMA 1's rows 0-7 meet words 0, 1 (right),
+//     MMA 2's rows 8-15 meet words 2, 3 of the same input row (right); the other halves of D are
+//     discarded. Output (b, n) = D1[b][n] + D2[b + 8][n], both held by lane (b, n / 2).
+//   batch 9-16 ("wide"): a lane reads two 16-byte words at the same place of rows g and g + 8,
+//     MMA 1's and MMA 2's whole A fragments: the staging permutes each pair of vectors (row p and
+//     p + 8, same k) into (p: w0, p+8: w0, p: w1, p+8: w1) at row p's place and (p: w2, p+8: w2,
+//     p: w3, p+8: w3) at row p + 8's; output (b, n) = D1[b][n] + D2[b][n]. Rows past B are
+//     staged as zeros (16 rows are staged).
 // A lane (g, t) ends with outputs (batch g and g + 8) x (stream rows 2t, 2t + 1); rows of A past
-// the batch read a real row (clamped) and only reach discarded rows of D.
+// the batch (a clamped real row, or wide, zeros) only reach discarded rows of D.
 //
 // Input rows: copied with cp.async into place in natural order, row after row (a 16-byte vector
-// per 8 k: a warp's copies are contiguous in global AND shared memory, so they coalesce; a
-// strided shared destination made every lane's copy its own wavefront and sector, perf-log tenth
-// session), then each vector's words are permuted in place (or by the rmsnorm pass, which writes
-// the normalised values permuted), as the reference rounds them (rmsnorm: bf16 values of
-// numerics.rmsnorm_rows). The row stride (64 mod 128 bytes) spreads a quarter-warp's 16-byte
-// reads over all banks. Several chunks (large K x batch) add each chunk's sums into fp32 `acc`.
+// per 8 k: a warp's copies are contiguous in global AND shared memory, at the same relative
+// offsets, so they coalesce; a strided shared destination, or lanes alternating between two
+// rows, made every lane's copy its own wavefront and sector: perf-log, tenth and eleventh
+// sessions), then each vector's words are permuted in place (or by the rmsnorm pass, which writes
+// the normalised values permuted) by the thread that copied them (wide: it copied both rows of
+// the pair), as the reference rounds them (rmsnorm: bf16 values of numerics.rmsnorm_rows). The
+// row stride (64 mod 128 bytes) spreads a quarter-warp's 16-byte reads over all banks. Several
+// chunks (large K x batch) add each chunk's sums into fp32 `acc`.
 // Epilogues: plain (round to out's dtype, + residual rounded again for bf16), silu_mul (stream rows
 // r < 4 are gate, r + 4 up: lanes t and t ^ 2, paired by a shuffle), argmax (each output's key goes
 // into a shared 64-bit atomicMax: value-ordered, ties to the lowest index, NaN first;
@@ -67,7 +70,7 @@ constexpr int kMaxB = 16;
 
 struct Task {
   int B, K, N, T, xc, nch, align, rgs, n0, n1;
-  bool wide;  // B > 8: a lane's A rows g and g + 8 are both real (header)
+  bool wide;  // B > 8: rows g and g + 8 hold MMA 1's and MMA 2's A fragments (header)
   bool silu, rms, res, f32, argmax, sampling;
   float eps;
   const bf16* x;
@@ -81,7 +84,7 @@ struct Task {
   int step;
 };
 
-// Shared scratch: [xs: B rows of XS bf16][part: 2 x kWarps x 8 x 16 f32]
+// Shared scratch: [xs: B (wide: 16) rows of XS bf16][part: 2 x kWarps x 8 x 16 f32]
 // [red: 16 x kWarps f32]
 // [best: 16 u64][sampling: 16 x (seed u64, position i64, temperature f32)]
 // [nw: K bf16 when chunked with rmsnorm][acc: rgs x 8 x B f32]
@@ -98,13 +101,16 @@ struct Scratch {
   int XS;  // staged row stride (bf16 elements)
 };
 
+// Rows staged: B, or 16 when wide (rows past B zero).
+__device__ __forceinline__ int staged_rows(const Task& t) { return t.wide ? 2 * kRows : t.B; }
+
 __device__ __forceinline__ Scratch carve(const Task& t, char* smem) {
   Scratch s;
   // Row stride 64 mod 128 bytes (header: conflict-free A reads).
   s.XS = (t.xc + 2 * kXPad - 1) / (2 * kXPad) * (2 * kXPad) + kXPad;
   char* p = smem;
   s.xs = reinterpret_cast<bf16*>(p);
-  p += ((t.B * s.XS * 2 + 15) / 16) * 16;
+  p += ((staged_rows(t) * s.XS * 2 + 15) / 16) * 16;
   s.part = reinterpret_cast<float*>(p);
   p += 2 * kWarps * kRows * kMaxB * 4;
   s.red = reinterpret_cast<float*>(p);
@@ -167,29 +173,48 @@ __device__ __forceinline__ bf16* landing(const Scratch& s, int b, int v) { retur
 
 // The A-fragment order of one staged vector, from natural order.
 __device__ __forceinline__ uint4 single_order(const uint4& w) { return make_uint4(w.x, w.z, w.y, w.w); }
+// Wide: vector v of rows p (lo) and p + 8 (hi), natural order, into MMA 1's fragment at row p's
+// place and MMA 2's at row p + 8's (header). By value: at and ah may be where lo and hi came from.
+__device__ __forceinline__ void store_pair(uint4* at, uint4* ah, const uint4 lo, const uint4 hi) {
+  *at = make_uint4(lo.x, hi.x, lo.y, hi.y);
+  *ah = make_uint4(lo.z, hi.z, lo.w, hi.w);
+}
 
-// Copy x[b][k0, k0+kc) of every row into place with cp.async, zeros for k in [kc, kfill).
-// `permute`: each thread then puts the vectors it copied into A-fragment order (no barrier
-// needed: its own copies); without it (rmsnorm) they stay natural for the norm pass. Ends with a
-// barrier.
+// Copy (or zero) vector v of input row b: k < kc of real rows, zeros elsewhere.
+__device__ __forceinline__ void stage_vec(const Task& t, const Scratch& s, int b, int v, int k0,
+                                          int vpr) {
+  if (v < vpr && b < t.B)
+    dev::cp_async_act16(landing(s, b, v), t.x + (long long)b * t.K + k0 + v * 8);
+  else
+    *reinterpret_cast<uint4*>(landing(s, b, v)) = make_uint4(0u, 0u, 0u, 0u);
+}
+
+// Copy x[b][k0, k0+kc) of every row into place with cp.async, zeros for k in [kc, kfill) and,
+// wide, for rows past B (a thread copies vector v of rows r and r + 8: two coalesced warp
+// copies). `permute`: each thread then puts the vectors it copied into A-fragment order (no
+// barrier needed: its own copies); without it (rmsnorm) they stay natural for the norm pass.
+// Ends with a barrier.
 __device__ __forceinline__ void stage_raw(const Task& t, const Scratch& s, int k0, int kc,
                                           int kfill, bool permute) {
   const int tid = threadIdx.x;
-  const int vpr = kc / 8, vfill = kfill / 8;
-  for (int idx = tid; idx < t.B * vfill; idx += NUM_THREADS) {
+  const int vpr = kc / 8, vfill = kfill / 8, total = (t.wide ? kRows : t.B) * vfill;
+  for (int idx = tid; idx < total; idx += NUM_THREADS) {
     const int r = idx / vfill, v = idx - r * vfill;
-    if (v < vpr)
-      dev::cp_async_act16(landing(s, r, v), t.x + (long long)r * t.K + k0 + v * 8);
-    else
-      *reinterpret_cast<uint4*>(landing(s, r, v)) = make_uint4(0u, 0u, 0u, 0u);
+    stage_vec(t, s, r, v, k0, vpr);
+    if (t.wide) stage_vec(t, s, r + kRows, v, k0, vpr);
   }
   dev::cp_async_commit();
   dev::cp_async_wait_all();
   if (permute) {
-    for (int idx = tid; idx < t.B * vfill; idx += NUM_THREADS) {
+    for (int idx = tid; idx < total; idx += NUM_THREADS) {
       const int r = idx / vfill, v = idx - r * vfill;
       uint4* at = reinterpret_cast<uint4*>(landing(s, r, v));
-      *at = single_order(*at);
+      if (t.wide) {
+        uint4* ah = reinterpret_cast<uint4*>(landing(s, r + kRows, v));
+        store_pair(at, ah, *at, *ah);
+      } else {
+        *at = single_order(*at);
+      }
     }
   }
   mpk::task_sync();
@@ -242,21 +267,30 @@ __device__ __forceinline__ uint4 norm_vec(const uint4& x, const float (&fw)[8], 
 // rmsnorm the landed chunk (norm weight nw[k0 ..], the rows' sums of squares complete in red)
 // and put it into A-fragment order; ends with a barrier. Lane b of every warp derives row b's
 // inverse rms and the warp shares it by shuffles (no extra barrier for one thread to publish it;
-// the division stays out of the loop).
+// the division stays out of the loop). Wide: a thread takes vector v of rows r and r + 8 (those
+// past B stay zero).
 __device__ __forceinline__ void normalize(const Task& t, const Scratch& s, const bf16* nw, int k0,
                                           int kc) {
-  const int vpr = kc / 8, lane = threadIdx.x & 31, total = t.B * vpr;
+  const int vpr = kc / 8, lane = threadIdx.x & 31;
+  const int rows = t.wide ? kRows : t.B, total = rows * vpr;
   const float inv = lane < t.B ? row_inv(t, s, lane) : 0.f;
-  // Whole warps per round, so every lane takes part in the shuffle.
+  // Whole warps per round, so every lane takes part in the shuffles.
   for (int base = threadIdx.x - lane; base < total; base += NUM_THREADS) {
     const int idx = base + lane;
-    const int r = min(idx / vpr, t.B - 1), v = idx - r * vpr;
-    const float inv_r = __shfl_sync(0xffffffffu, inv, r);
+    const int r = min(idx / vpr, rows - 1), v = idx - r * vpr;
+    const float inv_lo = __shfl_sync(0xffffffffu, inv, r);
+    const float inv_hi = __shfl_sync(0xffffffffu, inv, r + kRows);
     if (idx >= total) continue;
     float fw[8];
     dev::unpack8(*reinterpret_cast<const uint4*>(nw + k0 + v * 8), fw);
     uint4* at = reinterpret_cast<uint4*>(landing(s, r, v));
-    *at = single_order(norm_vec(*at, fw, inv_r));
+    const uint4 lo = norm_vec(*at, fw, inv_lo);
+    if (t.wide) {
+      uint4* ah = reinterpret_cast<uint4*>(landing(s, r + kRows, v));
+      store_pair(at, ah, lo, r + kRows < t.B ? norm_vec(*ah, fw, inv_hi) : *ah);
+    } else {
+      *at = single_order(lo);
+    }
   }
   mpk::task_sync();
 }
@@ -270,23 +304,17 @@ struct Acc {
 constexpr int kWarpUnitsPerPage = kPageUnits / kWarps;
 static_assert(kPageUnits % kWarps == 0, "a page holds whole rounds of the warps' units");
 
-// One unit: the weight read w is both MMAs' B fragments; q (row g's quad) and, wide, h (row
-// g + 8's) give their A fragments (header).
-template <bool kWide>
-__device__ __forceinline__ void mma_unit(Acc& c, const uint4& w, const uint4& q, const uint4& h) {
-  if (kWide) {
-    dev::mma_bf16_16816(c.p, q.x, h.x, q.z, h.z, w.x, w.y);
-    dev::mma_bf16_16816(c.q, q.y, h.y, q.w, h.w, w.z, w.w);
-  } else {
-    dev::mma_bf16_16816(c.p, q.x, q.y, q.z, q.w, w.x, w.y);
-    dev::mma_bf16_16816(c.q, q.x, q.y, q.z, q.w, w.z, w.w);
-  }
+// One unit: the weight read w is both MMAs' B fragments; a and a2 their A fragments (batch <= 8
+// both are the lane's quad of row g; wide, its reads of rows g and g + 8: header).
+__device__ __forceinline__ void mma_unit(Acc& c, const uint4& w, const uint4& a, const uint4& a2) {
+  dev::mma_bf16_16816(c.p, a.x, a.y, a.z, a.w, w.x, w.y);
+  dev::mma_bf16_16816(c.q, a2.x, a2.y, a2.z, a2.w, w.z, w.w);
 }
 
 // This warp's units of one page (units u, u + kWarps, ... below stop), alternating between two
 // accumulator chains. kWhole: all kWarpUnitsPerPage of them, with no per-unit bounds, so the
-// unit loads can run ahead of the MMAs. x (xh): the lane's quad address of unit u in row g
-// (g + 8).
+// unit loads can run ahead of the MMAs. x (xh): the lane's A fragment address of unit u in row
+// g (g + 8).
 template <bool kWhole, bool kWide>
 __device__ __forceinline__ void page_units(uint32_t pg, int u, int stop, unsigned x, unsigned xh,
                                            unsigned xstep, Acc& acc, Acc& extra) {
@@ -298,8 +326,8 @@ __device__ __forceinline__ void page_units(uint32_t pg, int u, int stop, unsigne
       // Unit uj sits j * kWarps units after unit u on the same page (u is the warp's first unit
       // of this page): a constant offset.
       const uint4 w = dev::lds_v4(wu + j * kWarps * kUnitBytes);
-      const uint4 q = dev::lds_v4(x + j * xstep);
-      mma_unit<kWide>((j & 1) ? extra : acc, w, q, kWide ? dev::lds_v4(xh + j * xstep) : q);
+      const uint4 a = dev::lds_v4(x + j * xstep);
+      mma_unit((j & 1) ? extra : acc, w, a, kWide ? dev::lds_v4(xh + j * xstep) : a);
     }
   }
 }
@@ -316,14 +344,15 @@ __device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::
   const int g = lane >> 2, tq = lane & 3;
   const int first = u0 + ((warp - u0) & (kWarps - 1));  // kWarps and nb: powers of two
   const int end = u0 + nb * nk;
-  // Staged bytes per k group (32 k) of a staged row, and a lane's quad in it.
+  // Staged bytes per k group (32 k) of a staged row, and a lane's A fragment in it.
   constexpr unsigned kGroupBytes = 64u;
   // A warp's units are kWarps apart: k groups kWarps / nb apart (nb divides kWarps).
   const unsigned xstep = (unsigned)(kWarps >> (31 - __clz(nb))) * kGroupBytes;
   const unsigned kg0 = (unsigned)((first - u0) >> (31 - __clz(nb))) * kGroupBytes;  // its k group
-  // Rows past B read a real row: they only reach discarded rows of D.
-  const unsigned x = dev::smem_addr(s.xs + min(g, t.B - 1) * s.XS) + tq * (kGroupBytes / 4) + kg0;
-  const unsigned xh = kWide ? x + (unsigned)((min(g + kRows, t.B - 1) - g) * s.XS * 2) : x;
+  // Rows past B read a real row (wide: zeros): they only reach discarded rows of D.
+  const int row = kWide ? g : min(g, t.B - 1);
+  const unsigned x = dev::smem_addr(s.xs + row * s.XS) + tq * (kGroupBytes / 4) + kg0;
+  const unsigned xh = x + (unsigned)(kRows * s.XS * 2);  // wide: row g + 8
   Acc acc, extra;  // two chains
 #pragma unroll
   for (int e = 0; e < 4; ++e) acc.p[e] = acc.q[e] = extra.p[e] = extra.q[e] = 0.f;

@@ -41,10 +41,21 @@ MAX_BATCH = 16
 MAX_NORM_K = PAGE_BYTES // 2
 
 
+def staged_rows(batch: int) -> int:
+    """Input rows staged in shared memory: B, or 16 at batch 9-16 (rows past B zero, sm90.cuh)."""
+    return batch if batch <= geo.ROWS else 2 * geo.ROWS
+
+
+def staged_bytes(batch: int, xc: int) -> int:
+    """Shared memory of the staged input (sm90.cuh carve): staged_rows rows of xc rounded up to
+    2 * X_PAD, + X_PAD."""
+    return staged_rows(batch) * (-(-xc // (2 * X_PAD)) * 2 * X_PAD + X_PAD) * 2
+
+
 def chunk_k(batch: int, k: int) -> int:
     """k per staged chunk of the input: all of K when the staged rows fit X_BUDGET, else equal
     chunks."""
-    max_xc = max(256, (X_BUDGET // (2 * batch) - X_PAD) // 256 * 256)
+    max_xc = max(256, (X_BUDGET // (2 * staged_rows(batch)) - X_PAD) // 256 * 256)
     chunks = -(-k // max_xc)
     return -(-(-(-k // chunks)) // geo.UNIT_K) * geo.UNIT_K
 
@@ -217,8 +228,7 @@ class Linear(TaskKind):
     def scratch_bytes(self, op: OpView) -> int:
         s = self.shape_of(op)
         batch = op.shape("x")[0]
-        # sm90.cuh carve: B rows of xc rounded up to 2 * X_PAD, + X_PAD
-        x_bytes = batch * (-(-s.xc // (2 * X_PAD)) * 2 * X_PAD + X_PAD) * 2
+        x_bytes = staged_bytes(batch, s.xc)
         extra = 0
         if len(geo.chunks(s)) > 1:  # fp32 sums across chunks, and the norm weight kept
             rgs = max(geo.task_row_groups(s, t) for t in range(s.tasks))
