@@ -45,6 +45,15 @@ def test_concurrent_requests_equal_their_solo_runs() -> None:
     # Prompts over one launch's steps went through the prefill plan, up to 3 (slots) a launch.
     assert 0 < split["prefill_launches"] <= split["launches"]
     assert 1 <= split["prompts_per_prefill_launch"] <= 3
+    # The full batch: 3 requests of 32 tokens (8 launches of 4 steps) decoding together; its
+    # window holds tokens of every request, at most all of their tokens after the first.
+    full = result["full_batch"]
+    assert full["requests"] == 3 and full["tokens_each"] == 32 and full["window_s"] > 0
+    assert 3 <= full["tokens_in_window"] <= 3 * 31
+    assert full["decode_tokens_per_s"] == pytest.approx(
+        full["tokens_in_window"] / full["window_s"], rel=1e-3)
+    assert full["speedup_over_single"] == pytest.approx(
+        full["decode_tokens_per_s"] / result["single_request_tokens_per_s"], rel=0.02)
 
 
 def test_the_cli_serving_mode(capsys: pytest.CaptureFixture[str]) -> None:
@@ -52,6 +61,7 @@ def test_the_cli_serving_mode(capsys: pytest.CaptureFixture[str]) -> None:
                  "--requests", "4", "--prompt-len", "2:6", "--output-len", "2:5", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["outputs_equal_solo"] and out["requests"] == 4
+    assert out["full_batch"]["requests"] == 16 and out["full_batch"]["decode_tokens_per_s"] > 0
     assert out["backend"] == "cpu" and out["max_batch"] == 16
     code = main(["bench", "--model", "tiny-llama", "--backend", "cpu"])
     assert code == 2 and "only with --serving" in capsys.readouterr().err

@@ -15,7 +15,13 @@ Over one started engine (one compiled plan of `max_batch` rows):
               the total output tokens/s over the run, and whether every request's tokens equal
               its solo run's (a row's arithmetic does not depend on the rows beside it, so they
               must be identical, not merely close).
-The headline ratio is the concurrent output tokens/s over the single-request decode rate.
+  full batch  `max_batch` requests at once with short prompts (the trace's first prompts, cut to
+              FULL_PROMPT tokens), each decoding RATE_LAUNCHES launches' worth: the total decode
+              tokens/s while every slot decodes (tokens delivered between the last request's
+              first token and the first request's last, over that window), against the
+              single-request decode rate (the serving issue's "16 concurrent requests" ratio).
+The headline ratio is the concurrent output tokens/s over the single-request decode rate; the
+trace's prompts and arrivals are part of it, the full-batch ratio is decoding alone.
 `launch_split` says, for the single and the concurrent pass, how much of the wall time was spent
 inside launches (per step) and how much on the host between them, and how many prompts each
 prefill-plan launch packed.
@@ -33,6 +39,7 @@ from mpk.engine.engine import Engine
 from mpk.engine.requests import RequestHandle, SamplingParams
 
 RATE_LAUNCHES = 8
+FULL_PROMPT = 8  # prompt tokens of the full-batch requests (short: their decoding is measured)
 
 
 @dataclass(frozen=True)
@@ -61,8 +68,9 @@ def make_trace(vocab_size: int, requests: int, prompt_len: tuple[int, int],
 
 
 def positions_needed(trace: Trace, steps_per_launch: int) -> int:
-    """The max_seq_len an engine needs for the trace and the single-request probe."""
-    probe = len(trace.prompts[0]) + RATE_LAUNCHES * steps_per_launch
+    """The max_seq_len an engine needs for the trace, the single-request probe and the full
+    batch."""
+    probe = max(len(trace.prompts[0]), FULL_PROMPT) + RATE_LAUNCHES * steps_per_launch
     return max(probe, *(len(p) + n for p, n in zip(trace.prompts, trace.max_tokens,
                                                     strict=True)))
 
@@ -108,6 +116,19 @@ def _concurrent(engine: Engine, trace: Trace) -> tuple[list[RequestHandle], floa
     return handles, time.perf_counter() - start
 
 
+def _full_batch(engine: Engine, trace: Trace, max_batch: int, tokens: int) -> dict[str, Any]:
+    """Decode tokens/s with every one of `max_batch` slots decoding (module docstring)."""
+    prompts = tuple(trace.prompts[i % len(trace.prompts)][:FULL_PROMPT] for i in range(max_batch))
+    handles, _ = _concurrent(engine, Trace(prompts, (tokens,) * max_batch, (0.0,) * max_batch))
+    times = [h.result().stats.token_times for h in handles]
+    start, end = max(t[0] for t in times), min(t[-1] for t in times)
+    counted = sum(1 for t in times for at in t if start < at <= end)
+    rate = counted / (end - start) if end > start else None
+    return {"requests": max_batch, "tokens_each": tokens, "window_s": round(end - start, 6),
+            "tokens_in_window": counted,
+            "decode_tokens_per_s": None if rate is None else round(rate, 2)}
+
+
 def _launch_split(times: list[tuple[float, float, int]], wall_s: float,
                   pieces: list[int]) -> dict[str, Any]:
     """Where a pass's wall time went: inside launches (the kernel, its tokens read back) or
@@ -139,6 +160,7 @@ def run_serving_bench(engine: Engine, trace: Trace, max_batch: int) -> dict[str,
         since, since_pieces = len(launches), len(pieces)
         concurrent, wall_s = _concurrent(engine, trace)
         concurrent_times, concurrent_pieces = launches[since:], pieces[since_pieces:]
+        full = _full_batch(engine, trace, max_batch, tokens)
     finally:
         engine.stop()
     single_stats = single.result().stats
@@ -149,6 +171,9 @@ def run_serving_bench(engine: Engine, trace: Trace, max_batch: int) -> dict[str,
     stats = [h.result().stats for h in concurrent]
     solo_rate = _decode_rate(single)
     rate = tokens / wall_s if wall_s > 0 else None
+    full_rate = full["decode_tokens_per_s"]
+    full["speedup_over_single"] = (None if full_rate is None or not solo_rate
+                                   else round(full_rate / solo_rate, 2))
     return {
         "requests": len(trace.prompts), "max_batch": max_batch,
         "prompt_tokens": sum(map(len, trace.prompts)), "output_tokens": tokens,
@@ -161,6 +186,7 @@ def run_serving_bench(engine: Engine, trace: Trace, max_batch: int) -> dict[str,
         "tpot": _percentiles([s.tpot_s for s in stats if s.tpot_s is not None]),
         "inter_token": _percentiles([g for s in stats for g in s.inter_token_s]),
         "outputs_equal_solo": not mismatched, "mismatched_requests": mismatched,
+        "full_batch": full,
         "launch_split": {"single": _launch_split(single_times, single_wall, single_pieces),
                          "concurrent": _launch_split(concurrent_times, wall_s,
                                                      concurrent_pieces)},
@@ -184,6 +210,9 @@ def format_report(result: dict[str, Any]) -> list[str]:
         f"{tpot['p50_ms']} ms, p99 {tpot['p99_ms']} ms; gaps between deliveries p50 "
         f"{itl['p50_ms']} ms, p99 {itl['p99_ms']} ms",
         same,
+        f"decoding on all {result['full_batch']['requests']} slots: "
+        f"{result['full_batch']['decode_tokens_per_s']} tokens/s "
+        f"(x{result['full_batch']['speedup_over_single']} one request's)",
         *(f"{name}: {split['launches']} launches, {split['steps']} steps, "
           f"{split['in_launches_s']} s in launches ({split['ms_per_step_in_launches']} ms a "
           f"step), {split['between_launches_s']} s between (gap p50 "
