@@ -119,13 +119,27 @@ PATCHES["quiet"] = {
 CP_X = "    dev::cp_async_act16(landing(s, b, v), t.x + (long long)b * t.K + k0 + v * 8);\n"
 PATCHES["no_xread"] = {"linear/sm90.cuh": [
     (CP_X, "    *reinterpret_cast<uint4*>(landing(s, b, v)) = make_uint4(0u, 0u, 0u, 0u);\n")]}
+# MoE experts (timing only): no expert weight loads (made-up vectors, the FMAs stay), or twice
+# the loads in flight per lane (kV doubled: more registers, allowed in a probe build).
+GU_LOAD = ("        g[i] = ok ? dev::ld_weight_v4(wg + v * 8) : make_uint4(0u, 0u, 0u, 0u);\n"
+           "        u[i] = ok ? dev::ld_weight_v4(wg + up_off + v * 8) : make_uint4(0u, 0u, 0u, 0u);\n")
+DOWN_LOAD = ("          w[jj][i] = row != nullptr && v < vpr ? dev::ld_weight_v4(row + v * 8)\n"
+             "                                               : make_uint4(0u, 0u, 0u, 0u);\n")
+PATCHES["moe_noload"] = {
+    "moe_gate_up/sm90.cuh": [(GU_LOAD, "        g[i] = make_uint4(v, n, ok, c);\n"
+                                       "        u[i] = make_uint4(n, v, c, ok);\n")],
+    "moe_down/sm90.cuh": [(DOWN_LOAD, "          w[jj][i] = make_uint4(v, n, jj, row != nullptr);\n")]}
+PATCHES["moe_inflight2x"] = {
+    "moe_gate_up/sm90.cuh": [("constexpr int kV = 4;", "constexpr int kV = 8;")],
+    "moe_down/sm90.cuh": [("constexpr int kV = 2;", "constexpr int kV = 4;")]}
 RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "attn_nokv", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
         "sparse_timer": "sparse_timer",
         "no_loader_no_units": "no_loader_no_units",
         "no_loader_bare_units": "no_loader_bare_units",
         "nanosleep": "nanosleep", "hint": "hint",
         "relaxed_poll": "relaxed_poll", "no_loader": "no_loader", "pagewait": "pagewait1", "no_mma": "no_mma", "no_wload": "no_wload",
-        "no_units": "no_units", "warp_release": "warp_release"}
+        "no_units": "no_units", "warp_release": "warp_release",
+        "moe_noload": "moe_noload", "moe_inflight2x": "moe_inflight2x"}
 
 
 def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batch: int) -> dict:
