@@ -12,7 +12,8 @@ from mpk.compiler.lower import compile_graph
 from mpk.graph.graph import DEFAULT_NUM_SMS
 from mpk.models.builder import DecodeShape, build_graph
 from mpk.models.config import get_preset
-from mpk.tasks.linear.task import ACC_BUDGET, MAX_BATCH, chunk_k, min_tasks
+from mpk.tasks.linear.task import (ACC_BUDGET, MAX_BATCH, X_BUDGET, chunk_k, min_tasks,
+                                   staged_bytes, staged_rows)
 
 
 @pytest.mark.parametrize("model", ["qwen3-8b", "llama-3.1-8b", "qwen3-0.6b"])
@@ -31,3 +32,15 @@ def test_min_tasks_caps_the_sums_of_a_chunked_input() -> None:
     tasks = min_tasks(n, k, batch)
     assert -(-n // tasks) * batch * 4 <= ACC_BUDGET
     assert min_tasks(n, k, 8) == 1  # one chunk: no sums kept
+
+
+@pytest.mark.parametrize("k", [576, 1024, 2048, 3072, 4096, 12288, 14336])
+def test_the_staged_input_fits_its_budget_at_every_batch(k: int) -> None:
+    # sm90.cuh stages B rows, or 16 at batch 9-16 (rows past B zero, each row pair's A
+    # fragments spread over rows p and p + 8): chunks are sized for the rows staged, so a chunk
+    # of batch 9 takes as much shared memory as one of batch 16 and neither passes X_BUDGET.
+    for batch in range(1, MAX_BATCH + 1):
+        xc = chunk_k(batch, k)
+        assert xc % 32 == 0 and staged_bytes(batch, xc) <= X_BUDGET, (batch, k, xc)
+        assert staged_rows(batch) == (batch if batch <= 8 else 16)
+    assert staged_bytes(9, chunk_k(9, k)) == staged_bytes(16, chunk_k(16, k))
