@@ -220,9 +220,32 @@ __device__ __forceinline__ void stage_raw(const Task& t, const Scratch& s, int k
   mpk::task_sync();
 }
 
+// Row lane / 2's sum over the warp of the lanes' 16 values ss[row]. Each exchange step halves the
+// rows a lane keeps (the upper half when the lane's bit is set; 8, 4, 2, 1 rows), then one
+// butterfly: 16 shuffles in 5 dependent steps, where a warp sum per row was 5 dependent
+// shuffles each, row after row (~0.2 us a row at batch 16: perf-log, twelfth session). One
+// width for every batch: a second instance put ss in local memory (ptxas).
+template <int kHalf>
+__device__ __forceinline__ void keep_half(float (&ss)[kMaxB], int lane) {
+  const bool up = (lane & (2 * kHalf)) != 0;
+#pragma unroll
+  for (int r = 0; r < kHalf; ++r) {
+    const float lo = ss[r], hi = ss[r + kHalf];  // values, not a chosen address: registers
+    ss[r] = (up ? hi : lo) + __shfl_xor_sync(0xffffffffu, up ? lo : hi, 2 * kHalf);
+  }
+}
+__device__ __forceinline__ float rows_sum(float (&ss)[kMaxB]) {
+  const int lane = threadIdx.x & 31;
+  keep_half<8>(ss, lane);
+  keep_half<4>(ss, lane);
+  keep_half<2>(ss, lane);
+  keep_half<1>(ss, lane);
+  return ss[0] + __shfl_xor_sync(0xffffffffu, ss[0], 1);
+}
+
 // Sum of squares of the landed (natural-order) rows' first kc elements into red[b][warp] (+= when
-// `add`). Every row at once: a thread's vectors of all rows first, then one warp sum per row (the
-// per-row sums come out bit-identical to summing row after row, in a fraction of the latency).
+// `add`). Every row at once: a thread's vectors of all rows first, then one warp reduction of all
+// rows (rows_sum).
 __device__ __forceinline__ void sum_squares(const Task& t, const Scratch& s, int kc, bool add) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int vpr = kc / 8;
@@ -239,12 +262,9 @@ __device__ __forceinline__ void sum_squares(const Task& t, const Scratch& s, int
       for (int e = 0; e < 8; ++e) ss[b] = fmaf(f[e], f[e], ss[b]);
     }
   }
-#pragma unroll
-  for (int b = 0; b < kMaxB; ++b) {
-    if (b >= t.B) break;
-    const float sum = dev::warp_sum(ss[b]);
-    if (lane == 0) s.red[b * kWarps + warp] = add ? s.red[b * kWarps + warp] + sum : sum;
-  }
+  const float sum = rows_sum(ss);
+  const int b = lane >> 1;
+  if ((lane & 1) == 0 && b < t.B) s.red[b * kWarps + warp] = add ? s.red[b * kWarps + warp] + sum : sum;
 }
 
 // Row b's inverse rms from the warps' partial sums (added in warp order: deterministic).
@@ -279,7 +299,7 @@ __device__ __forceinline__ void normalize(const Task& t, const Scratch& s, const
     const int idx = base + lane;
     const int r = min(idx / vpr, rows - 1), v = idx - r * vpr;
     const float inv_lo = __shfl_sync(0xffffffffu, inv, r);
-    const float inv_hi = __shfl_sync(0xffffffffu, inv, r + kRows);
+    const float inv_hi = t.wide ? __shfl_sync(0xffffffffu, inv, r + kRows) : 0.f;
     if (idx >= total) continue;
     float fw[8];
     dev::unpack8(*reinterpret_cast<const uint4*>(nw + k0 + v * 8), fw);
