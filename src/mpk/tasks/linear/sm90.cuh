@@ -244,18 +244,23 @@ __device__ __forceinline__ float rows_sum(float (&ss)[kMaxB]) {
 }
 
 // Sum of squares of the landed (natural-order) rows' first kc elements into red[b][warp] (+= when
-// `add`). Every row at once: a thread's vectors of all rows first, then one warp reduction of all
+// `add`). Every row at once: a thread's vectors of its rows first, then one warp reduction of all
 // rows (rows_sum).
 __device__ __forceinline__ void sum_squares(const Task& t, const Scratch& s, int kc, bool add) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int vpr = kc / 8;
+  // Wide: each half of the CTA takes 8 of the 16 rows (a warp's sums of the other half's rows
+  // stay 0, which adds nothing to row_inv's totals).
+  const bool upper = t.wide && tid >= NUM_THREADS / 2;
+  const int threads = t.wide ? NUM_THREADS / 2 : NUM_THREADS;
   float ss[kMaxB];
 #pragma unroll
   for (int b = 0; b < kMaxB; ++b) ss[b] = 0.f;
-  for (int v = tid; v < vpr; v += NUM_THREADS) {
+  for (int v = tid & (threads - 1); v < vpr; v += threads) {
 #pragma unroll
     for (int b = 0; b < kMaxB; ++b) {
       if (b >= t.B) break;
+      if ((b >= kRows) != upper) continue;
       float f[8];
       dev::unpack8(*reinterpret_cast<const uint4*>(landing(s, b, v)), f);
 #pragma unroll
@@ -275,13 +280,10 @@ __device__ __forceinline__ float row_inv(const Task& t, const Scratch& s, int b)
   return dev::rms_inv(total, t.K, t.eps);
 }
 
-// One landed vector of row b, rmsnormed (norm weight vector fw), in natural order.
-__device__ __forceinline__ uint4 norm_vec(const uint4& x, const float (&fw)[8], float inv) {
-  float fx[8], fo[8];
-  dev::unpack8(x, fx);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) fo[e] = dev::rmsnorm_elem(fx[e], inv, fw[e]);
-  return dev::pack8(fo);
+// One landed vector of row b, rmsnormed (norm weight vector w), in natural order.
+__device__ __forceinline__ uint4 norm_vec(const uint4& x, const uint4& w, float inv) {
+  return make_uint4(dev::rmsnorm_pair(x.x, w.x, inv), dev::rmsnorm_pair(x.y, w.y, inv),
+                    dev::rmsnorm_pair(x.z, w.z, inv), dev::rmsnorm_pair(x.w, w.w, inv));
 }
 
 // rmsnorm the landed chunk (norm weight nw[k0 ..], the rows' sums of squares complete in red)
@@ -301,13 +303,12 @@ __device__ __forceinline__ void normalize(const Task& t, const Scratch& s, const
     const float inv_lo = __shfl_sync(0xffffffffu, inv, r);
     const float inv_hi = t.wide ? __shfl_sync(0xffffffffu, inv, r + kRows) : 0.f;
     if (idx >= total) continue;
-    float fw[8];
-    dev::unpack8(*reinterpret_cast<const uint4*>(nw + k0 + v * 8), fw);
+    const uint4 w = *reinterpret_cast<const uint4*>(nw + k0 + v * 8);
     uint4* at = reinterpret_cast<uint4*>(landing(s, r, v));
-    const uint4 lo = norm_vec(*at, fw, inv_lo);
+    const uint4 lo = norm_vec(*at, w, inv_lo);
     if (t.wide) {
       uint4* ah = reinterpret_cast<uint4*>(landing(s, r + kRows, v));
-      store_pair(at, ah, lo, r + kRows < t.B ? norm_vec(*ah, fw, inv_hi) : *ah);
+      store_pair(at, ah, lo, r + kRows < t.B ? norm_vec(*ah, w, inv_hi) : *ah);
     } else {
       *at = single_order(lo);
     }
