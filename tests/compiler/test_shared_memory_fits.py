@@ -12,7 +12,7 @@ from mpk.compiler.lower import compile_graph
 from mpk.graph.graph import DEFAULT_NUM_SMS
 from mpk.models.builder import DecodeShape, build_graph
 from mpk.models.config import get_preset
-from mpk.tasks.linear.task import (ACC_BUDGET, MAX_BATCH, X_BUDGET, chunk_k, min_tasks,
+from mpk.tasks.linear.task import (ACC_BUDGET, MAX_BATCH, chunk_k, min_tasks, x_budget,
                                    staged_bytes, staged_rows)
 
 
@@ -38,9 +38,17 @@ def test_min_tasks_caps_the_sums_of_a_chunked_input() -> None:
 def test_the_staged_input_fits_its_budget_at_every_batch(k: int) -> None:
     # sm90.cuh stages B rows, or 16 at batch 9-16 (rows past B zero, each row pair's A
     # fragments spread over rows p and p + 8): chunks are sized for the rows staged, so a chunk
-    # of batch 9 takes as much shared memory as one of batch 16 and neither passes X_BUDGET.
+    # of batch 9 takes as much shared memory as one of batch 16 and neither passes x_budget.
     for batch in range(1, MAX_BATCH + 1):
         xc = chunk_k(batch, k)
-        assert xc % 32 == 0 and staged_bytes(batch, xc) <= X_BUDGET, (batch, k, xc)
+        assert xc % 32 == 0 and staged_bytes(batch, xc) <= x_budget(batch), (batch, k, xc)
         assert staged_rows(batch) == (batch if batch <= 8 else 16)
     assert staged_bytes(9, chunk_k(9, k)) == staged_bytes(16, chunk_k(16, k))
+
+
+def test_batch_16_stages_a_k_of_3072_in_one_chunk() -> None:
+    # qwen3-0.6b's down at batch 16 in one chunk (two cost a staging round trip in its walk:
+    # 1.413 -> 1.363 ms a step, perf-log twelfth session); up to 8 rows, K up to 4,480 whole.
+    assert chunk_k(16, 3072) == 3072
+    assert chunk_k(16, 4096) < 4096
+    assert chunk_k(8, 4096) == 4096

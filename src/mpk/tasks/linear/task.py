@@ -34,7 +34,13 @@ from mpk.tasks.registry import register
 
 PROLOGUES = ("none", "rmsnorm")
 EPILOGUES = ("none", "silu_mul", "argmax")
-X_BUDGET = 72 * 1024  # shared memory for the staged input rows (bytes)
+# Shared memory for the staged input rows (bytes), by rows staged: at batch 9-16, 104 KB stages a
+# K of 3,072 in one chunk (qwen3-0.6b's down; a chunk's staging is a round trip through L2 in the
+# middle of the walk). Measured against 72 KB (two chunks there, two weight pages more): qwen3-0.6b
+# b16 1.413 -> 1.363 ms, llama-3.2-1b b16 1.386 -> 1.361 (perf-log, twelfth session). Up to 8 rows
+# keep 72 KB (K up to 4,480 in one chunk): their pages were not measured with less.
+X_BUDGET_NARROW = 72 * 1024
+X_BUDGET_WIDE = 104 * 1024
 X_PAD = 32  # bf16 elements of padding per staged row (bank spread, see sm90.cuh)
 PART_BYTES = 2 * geo.WARPS * geo.ROWS * 16 * 4  # cross-warp partial sums, two buffers
 MAX_BATCH = 16
@@ -52,15 +58,20 @@ def staged_bytes(batch: int, xc: int) -> int:
     return staged_rows(batch) * (-(-xc // (2 * X_PAD)) * 2 * X_PAD + X_PAD) * 2
 
 
+def x_budget(batch: int) -> int:
+    """Shared memory for the staged input rows at this batch (bytes)."""
+    return X_BUDGET_NARROW if batch <= geo.ROWS else X_BUDGET_WIDE
+
+
 def chunk_k(batch: int, k: int) -> int:
-    """k per staged chunk of the input: all of K when the staged rows fit X_BUDGET, else equal
+    """k per staged chunk of the input: all of K when the staged rows fit x_budget, else equal
     chunks."""
-    max_xc = max(256, (X_BUDGET // (2 * staged_rows(batch)) - X_PAD) // 256 * 256)
+    max_xc = max(256, (x_budget(batch) // (2 * staged_rows(batch)) - X_PAD) // 256 * 256)
     chunks = -(-k // max_xc)
     return -(-(-(-k // chunks)) // geo.UNIT_K) * geo.UNIT_K
 
 
-# A chunked input (K x batch over X_BUDGET) keeps fp32 sums of all the task's outputs in shared
+# A chunked input (K x batch over x_budget) keeps fp32 sums of all the task's outputs in shared
 # memory between chunks; this caps them (qwen3-8b's lm_head at batch 16 as 132 tasks needed 72 KB,
 # leaving 3 weight pages).
 ACC_BUDGET = 32 * 1024
