@@ -18,8 +18,10 @@ Over one started engine (one compiled plan of `max_batch` rows):
   full batch  `max_batch` requests at once with short prompts (the trace's first prompts, cut to
               FULL_PROMPT tokens), each decoding RATE_LAUNCHES launches' worth: the total decode
               tokens/s while every slot decodes (tokens delivered between the last request's
-              first token and the first request's last, over that window), against the
-              single-request decode rate (the serving issue's "16 concurrent requests" ratio).
+              first token and the first request's last, over that window), against one
+              request alone with the same short prompt (the same context length: attention's
+              cost per step grows with it) -- the serving issue's "16 concurrent requests"
+              ratio.
 The headline ratio is the concurrent output tokens/s over the single-request decode rate; the
 trace's prompts and arrivals are part of it, the full-batch ratio is decoding alone.
 `launch_split` says, for the single and the concurrent pass, how much of the wall time was spent
@@ -117,16 +119,22 @@ def _concurrent(engine: Engine, trace: Trace) -> tuple[list[RequestHandle], floa
 
 
 def _full_batch(engine: Engine, trace: Trace, max_batch: int, tokens: int) -> dict[str, Any]:
-    """Decode tokens/s with every one of `max_batch` slots decoding (module docstring)."""
+    """Decode tokens/s with every one of `max_batch` slots decoding, and of the first of those
+    requests alone (module docstring)."""
     prompts = tuple(trace.prompts[i % len(trace.prompts)][:FULL_PROMPT] for i in range(max_batch))
+    alone = _solo(engine, Trace(prompts[:1], (tokens,), (0.0,)))[0]
     handles, _ = _concurrent(engine, Trace(prompts, (tokens,) * max_batch, (0.0,) * max_batch))
     times = [h.result().stats.token_times for h in handles]
     start, end = max(t[0] for t in times), min(t[-1] for t in times)
     counted = sum(1 for t in times for at in t if start < at <= end)
     rate = counted / (end - start) if end > start else None
+    alone_rate = _decode_rate(alone)
     return {"requests": max_batch, "tokens_each": tokens, "window_s": round(end - start, 6),
             "tokens_in_window": counted,
-            "decode_tokens_per_s": None if rate is None else round(rate, 2)}
+            "decode_tokens_per_s": None if rate is None else round(rate, 2),
+            "single_tokens_per_s": None if alone_rate is None else round(alone_rate, 2),
+            "speedup_over_single": (None if rate is None or not alone_rate
+                                    else round(rate / alone_rate, 2))}
 
 
 def _launch_split(times: list[tuple[float, float, int]], wall_s: float,
@@ -171,9 +179,6 @@ def run_serving_bench(engine: Engine, trace: Trace, max_batch: int) -> dict[str,
     stats = [h.result().stats for h in concurrent]
     solo_rate = _decode_rate(single)
     rate = tokens / wall_s if wall_s > 0 else None
-    full_rate = full["decode_tokens_per_s"]
-    full["speedup_over_single"] = (None if full_rate is None or not solo_rate
-                                   else round(full_rate / solo_rate, 2))
     return {
         "requests": len(trace.prompts), "max_batch": max_batch,
         "prompt_tokens": sum(map(len, trace.prompts)), "output_tokens": tokens,
@@ -212,7 +217,8 @@ def format_report(result: dict[str, Any]) -> list[str]:
         same,
         f"decoding on all {result['full_batch']['requests']} slots: "
         f"{result['full_batch']['decode_tokens_per_s']} tokens/s "
-        f"(x{result['full_batch']['speedup_over_single']} one request's)",
+        f"(x{result['full_batch']['speedup_over_single']} one request's "
+        f"{result['full_batch']['single_tokens_per_s']} with the same prompt)",
         *(f"{name}: {split['launches']} launches, {split['steps']} steps, "
           f"{split['in_launches_s']} s in launches ({split['ms_per_step_in_launches']} ms a "
           f"step), {split['between_launches_s']} s between (gap p50 "
