@@ -65,7 +65,8 @@ __device__ __forceinline__ float rmsnorm_elem(float x, float inv, float w) {
 // product of two bf16 is exact in fp32, so rounding it once to bf16 is bf16(w * y) as above,
 // bit for bit, in 3 instructions a pair where the fp32 form took ~8 an element.
 __device__ __forceinline__ uint32_t rmsnorm_pair(uint32_t x2, uint32_t w2, float inv) {
-  const __nv_bfloat162 y = __floats2bfloat162_rn(__fmul_rn(bf16lo(x2), inv), __fmul_rn(bf16hi(x2), inv));
+  const __nv_bfloat162 y =
+      __floats2bfloat162_rn(__fmul_rn(bf16lo(x2), inv), __fmul_rn(bf16hi(x2), inv));
   const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&w2), y);
   return *reinterpret_cast<const uint32_t*>(&r);
 }

@@ -269,7 +269,8 @@ __device__ __forceinline__ void sum_squares(const Task& t, const Scratch& s, int
   }
   const float sum = rows_sum(ss);
   const int b = lane >> 1;
-  if ((lane & 1) == 0 && b < t.B) s.red[b * kWarps + warp] = add ? s.red[b * kWarps + warp] + sum : sum;
+  if ((lane & 1) == 0 && b < t.B)
+    s.red[b * kWarps + warp] = add ? s.red[b * kWarps + warp] + sum : sum;
 }
 
 // Row b's inverse rms from the warps' partial sums (added in warp order: deterministic).
