@@ -244,23 +244,19 @@ __device__ __forceinline__ float rows_sum(float (&ss)[kMaxB]) {
 }
 
 // Sum of squares of the landed (natural-order) rows' first kc elements into red[b][warp] (+= when
-// `add`). Every row at once: a thread's vectors of its rows first, then one warp reduction of all
-// rows (rows_sum).
+// `add`). Every row at once: a thread's vectors of all rows first, then one warp reduction of all
+// rows (rows_sum). (Splitting the rows between the CTA's halves at batch 9-16 cost the all-kinds
+// build 28 B more spills: tests/cuda/test_nvcc_build.py.)
 __device__ __forceinline__ void sum_squares(const Task& t, const Scratch& s, int kc, bool add) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int vpr = kc / 8;
-  // Wide: each half of the CTA takes 8 of the 16 rows (a warp's sums of the other half's rows
-  // stay 0, which adds nothing to row_inv's totals).
-  const bool upper = t.wide && tid >= NUM_THREADS / 2;
-  const int threads = t.wide ? NUM_THREADS / 2 : NUM_THREADS;
   float ss[kMaxB];
 #pragma unroll
   for (int b = 0; b < kMaxB; ++b) ss[b] = 0.f;
-  for (int v = tid & (threads - 1); v < vpr; v += threads) {
+  for (int v = tid; v < vpr; v += NUM_THREADS) {
 #pragma unroll
     for (int b = 0; b < kMaxB; ++b) {
       if (b >= t.B) break;
-      if ((b >= kRows) != upper) continue;
       float f[8];
       dev::unpack8(*reinterpret_cast<const uint4*>(landing(s, b, v)), f);
 #pragma unroll
