@@ -103,6 +103,9 @@ struct Scratch {
 
 // Rows staged: B, or 16 when wide (rows past B zero).
 __device__ __forceinline__ int staged_rows(const Task& t) { return t.wide ? 2 * kRows : t.B; }
+// Rows a staging pass walks: B, or, wide, the 8 rows p whose vectors are handled with row
+// p + 8's.
+__device__ __forceinline__ int pass_rows(const Task& t) { return t.wide ? kRows : t.B; }
 
 __device__ __forceinline__ Scratch carve(const Task& t, char* smem) {
   Scratch s;
@@ -197,7 +200,7 @@ __device__ __forceinline__ void stage_vec(const Task& t, const Scratch& s, int b
 __device__ __forceinline__ void stage_raw(const Task& t, const Scratch& s, int k0, int kc,
                                           int kfill, bool permute) {
   const int tid = threadIdx.x;
-  const int vpr = kc / 8, vfill = kfill / 8, total = (t.wide ? kRows : t.B) * vfill;
+  const int vpr = kc / 8, vfill = kfill / 8, total = pass_rows(t) * vfill;
   for (int idx = tid; idx < total; idx += NUM_THREADS) {
     const int r = idx / vfill, v = idx - r * vfill;
     stage_vec(t, s, r, v, k0, vpr);
@@ -291,7 +294,7 @@ __device__ __forceinline__ uint4 norm_vec(const uint4& x, const uint4& w, float 
 __device__ __forceinline__ void normalize(const Task& t, const Scratch& s, const bf16* nw, int k0,
                                           int kc) {
   const int vpr = kc / 8, lane = threadIdx.x & 31;
-  const int rows = t.wide ? kRows : t.B, total = rows * vpr;
+  const int rows = pass_rows(t), total = rows * vpr;
   const float inv = lane < t.B ? row_inv(t, s, lane) : 0.f;
   // Whole warps per round, so every lane takes part in the shuffles.
   for (int base = threadIdx.x - lane; base < total; base += NUM_THREADS) {
