@@ -148,6 +148,44 @@ PATCHES["moe_noload"] = {
 # BSSY/BRA/BSYNC blocks (7 of 8 skipped at b1) cost?
 PATCHES["moe_onepair"] = {"moe_gate_up/sm90.cuh": [("          if (p < ng) {\n",
                                                     "          if (p < 1) {\n")]}
+# Warp 0's own clock in the linear walk, per task (the WAIT stamp): bits 0-31 the cycles inside
+# walk() (every block, page waits included; 32-bit clock), 48-63 the pages walked. Timing only;
+# the phase parts of linear ops lose their WAIT split.
+WALK = ("__device__ __forceinline__ void walk(const Task& t, const Scratch& s, mpk::PageCursor& pc,\n"
+        "                                     int pbase, int u0, int nb, int nk, float (&r)[4]) {\n")
+WALK_END = "    mma_block<false>(t, s, pc, pbase, u0, nb, nk, r);\n}\n"
+PATCHES["walk_cycles"] = {
+    "task_args.cuh": [("  long long limit_ns;",
+                       "  long long limit_ns;\n  unsigned probe_cyc = 0, probe_pages = 0;")],
+    "linear/sm90.cuh": [
+        (WALK, WALK + "  const unsigned probe_c0 = (unsigned)clock();\n"),
+        (WALK_END, WALK_END[:-2] + "  pc.probe_cyc += (unsigned)clock() - probe_c0;\n}\n"),
+        ("      if (u >= end) break;\n", "      ++pc.probe_pages;\n      if (u >= end) break;\n"),
+        (FINISH, "  pc.finish();\n  " + stamp("(unsigned long long)pc.probe_cyc | "
+                                            "((unsigned long long)(pc.probe_pages + 1) << 48)")
+         + "\n  if (t.argmax)")]}
+# The SM clock the walk runs at: WAIT := warp 0's cycles in walk() (bits 0-31) and the same
+# span in %globaltimer ns (bits 32-63). Timing only.
+PATCHES["walk_clock"] = {
+    "task_args.cuh": [("  long long limit_ns;",
+                       "  long long limit_ns;\n  unsigned probe_cyc = 0, probe_ns = 0;")],
+    "linear/sm90.cuh": [
+        (WALK, WALK + "  const unsigned probe_c0 = (unsigned)clock();\n"
+         "  const unsigned long long probe_t0 = mpk::ptx::globaltimer();\n"),
+        (WALK_END, WALK_END[:-2] + "  pc.probe_cyc += (unsigned)clock() - probe_c0;\n"
+         "  pc.probe_ns += (unsigned)(mpk::ptx::globaltimer() - probe_t0);\n}\n"),
+        (FINISH, "  pc.finish();\n  " + stamp("(unsigned long long)pc.probe_cyc | "
+                                            "((unsigned long long)pc.probe_ns << 32) | 1ull")
+         + "\n  if (t.argmax)")]}
+# WAIT := when warp 0 enters each block's walk (the last block's stays): splits the profile's
+# compute part (INPUT -> COMPUTE) at the walk's start. Timing only.
+OWN_WALK = ("          prefetch_own(t, rg, resid);\n          walk(t, s, pc, pbase, u0, nb, nk, r);\n")
+SHARED_WALK = ("          prefetch_shared(t, rg0, nb, resid);\n"
+               "          walk(t, s, pc, pbase, u0, nb, nk, r);\n")
+PATCHES["walk_start"] = {"linear/sm90.cuh": [
+    (OWN_WALK, OWN_WALK.replace("          walk(", "          " + stamp() + "\n          walk(")),
+    (SHARED_WALK, SHARED_WALK.replace("          walk(", "          " + stamp() + "\n          walk("))]}
+PATCHES["no_loader_walk_cycles"] = {**PATCHES["walk_cycles"], **PATCHES["no_loader"]}
 PATCHES["moe_inflight2x"] = {
     "moe_gate_up/sm90.cuh": [("constexpr int kV = 4;", "constexpr int kV = 8;")],
     "moe_down/sm90.cuh": [("constexpr int kV = 2;", "constexpr int kV = 4;")]}
@@ -158,7 +196,7 @@ RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "
         "nanosleep": "nanosleep", "hint": "hint",
         "relaxed_poll": "relaxed_poll", "no_loader": "no_loader", "pagewait": "pagewait1", "no_mma": "no_mma", "no_wload": "no_wload",
         "no_units": "no_units", "warp_release": "warp_release",
-        "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "moe_onepair": "moe_onepair", "moe_inflight2x": "moe_inflight2x"}
+        "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "moe_onepair": "moe_onepair", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "moe_inflight2x": "moe_inflight2x"}
 
 
 def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batch: int) -> dict:
@@ -181,6 +219,26 @@ def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batc
         row["loader_lead_us"] = {
             str(r): [round(float(np.percentile(lead[lin & (roles == r)], q)), 2)
                      for q in (10, 50, 90)] for r in sorted(set(roles[lin]))}
+    if name == "walk_clock":
+        raw = (tl.start_ns + tl.origin_ns).astype(np.uint64)
+        cyc = (raw & np.uint64(0xFFFFFFFF)).astype(np.float64)
+        ns = (raw >> np.uint64(32)).astype(np.float64)
+        roles = np.asarray([role_of(o.name) for o in tl.plan.ops], dtype=object)[tl.op]
+        lin = tl.kind_names() == "linear"
+        row["walk_clock"] = {
+            str(r): {"cycles": round(float(cyc[m].mean()), 1), "ns": round(float(ns[m].mean()), 1),
+                     "mhz": round(float(cyc[m].sum() / max(ns[m].sum(), 1)) * 1e3, 1)}
+            for r in sorted(set(roles[lin])) for m in [lin & (roles == r)]}
+    if name.endswith("walk_cycles"):
+        raw = (tl.start_ns + tl.origin_ns).astype(np.uint64)
+        cyc = (raw & np.uint64(0xFFFFFFFF)).astype(np.float64)
+        pages = (raw >> np.uint64(48)).astype(np.float64) - 1
+        roles = np.asarray([role_of(o.name) for o in tl.plan.ops], dtype=object)[tl.op]
+        lin = tl.kind_names() == "linear"
+        row["walk_cycles"] = {
+            str(r): {"cycles": round(float(cyc[m].mean()), 1), "pages": round(float(pages[m].mean()), 2),
+                     "cycles_per_page": round(float(cyc[m].sum() / max(pages[m].sum(), 1)), 1)}
+            for r in sorted(set(roles[lin])) for m in [lin & (roles == r)]}
     if name == "pagewait":
         waited = (tl.start_ns + tl.origin_ns - 1).astype(np.float64) / 1e3
         roles = np.asarray([role_of(o.name) for o in tl.plan.ops], dtype=object)[tl.op]
@@ -220,6 +278,10 @@ def main() -> int:
         if "loader_lead_us" in row:
             print("  loader lead, RUN - last page issued (us, p10/p50/p90): "
                   + json.dumps(row["loader_lead_us"]))
+        if "walk_clock" in row:
+            print("  warp 0's walk, cycles / ns: " + json.dumps(row["walk_clock"]))
+        if "walk_cycles" in row:
+            print("  warp 0's walk (clock64): " + json.dumps(row["walk_cycles"]))
         if "page_wait_us" in row:
             print("  page wait per linear task (us): " + json.dumps(row["page_wait_us"]))
     if args.json:
