@@ -74,14 +74,19 @@ __device__ __forceinline__ float output(const Row& r, int n, int lane) {
                                                : make_uint4(0u, 0u, 0u, 0u);
         }
       }
+      // Branch-free: a vector past the slots or the row is a zero x (and a zero weight) whose
+      // products add +0 to a sum that starts at +0 (a skipped block per vector made each one a
+      // convergence region, as moe_gate_up's pair loop had: perf-log, thirteenth session).
 #pragma unroll
       for (int jj = 0; jj < kJ; ++jj)
 #pragma unroll
         for (int i = 0; i < kV; ++i) {
           const int v = c + 32 * i + lane;
-          if (j0 + jj >= r.K || v >= vpr) continue;  // an invalid id's vectors are zeros
+          const bool ok = j0 + jj < r.K && v < vpr;
+          const uint4 xv = ok ? dev::lds_v4(r.xs + (unsigned)((j0 + jj) * r.I + v * 8) * 2u)
+                              : make_uint4(0u, 0u, 0u, 0u);
           float fx[8], fw[8];
-          dev::unpack8(dev::lds_v4(r.xs + (unsigned)((j0 + jj) * r.I + v * 8) * 2u), fx);
+          dev::unpack8(xv, fx);
           dev::unpack8(w[jj][i], fw);
 #pragma unroll
           for (int e = 0; e < 8; ++e) acc[jj] = fmaf(fx[e], fw[e], acc[jj]);
