@@ -18,6 +18,12 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
   quiet      the loader issues no copy while this CTA's consumers stage a task's input (RUN to
              the kind's INPUT mark; a kind without one: its whole body): do the weight copies in
              flight slow the activations' reads from L2?
+  walk_cycles, no_loader_walk_cycles  warp 0's clock64 cycles in the linear walk per task and the
+             pages it walked (cycles a page), with and without the loader's copies,
+  walk_clock warp 0's walk in clock64 cycles and %globaltimer ns (the SM clock it ran at),
+  walk_start WAIT := warp 0's entry into the last block's walk (scripts/phase_spread.py --run),
+  moe_down_resid_first, moe_down_kv3  moe_down's residual loaded before the output's sum; 3
+             vectors per slot row in flight (same results, timing),
 Per op role: the phase parts, and for pagewait the mean page wait of its linear tasks.
 
   python scripts/probe_model.py --model qwen3-0.6b [--runs none,pagewait] [--json]   # on the GPU
@@ -143,11 +149,6 @@ PATCHES["moe_noload"] = {
     "moe_gate_up/sm90.cuh": [(GU_LOAD, "        g[i] = make_uint4(v, n, ok, c);\n"
                                        "        u[i] = make_uint4(n, v, c, ok);\n")],
     "moe_down/sm90.cuh": [(DOWN_LOAD, "          w[jj][i] = make_uint4(v, n, jj, row != nullptr);\n")]}
-# moe_gate_up's pair loop with its bound known at compile time (1 pair): at batch 1 every slot's
-# expert has exactly one pair, so the outputs are unchanged there; what do the per-pair
-# BSSY/BRA/BSYNC blocks (7 of 8 skipped at b1) cost?
-PATCHES["moe_onepair"] = {"moe_gate_up/sm90.cuh": [("          if (p < ng) {\n",
-                                                    "          if (p < 1) {\n")]}
 # Warp 0's own clock in the linear walk, per task (the WAIT stamp): bits 0-31 the cycles inside
 # walk() (every block, page waits included; 32-bit clock), 48-63 the pages walked. Timing only;
 # the phase parts of linear ops lose their WAIT split.
@@ -186,6 +187,18 @@ PATCHES["walk_start"] = {"linear/sm90.cuh": [
     (OWN_WALK, OWN_WALK.replace("          walk(", "          " + stamp() + "\n          walk(")),
     (SHARED_WALK, SHARED_WALK.replace("          walk(", "          " + stamp() + "\n          walk("))]}
 PATCHES["no_loader_walk_cycles"] = {**PATCHES["walk_cycles"], **PATCHES["no_loader"]}
+# moe_down's residual loaded when an output starts (its L2 round trip under the weight loads)
+# instead of after the output's sum (a dependent round trip per output). Same results.
+DOWN_OUT = ("      const float total = output(r, n, lane);\n      if (lane == 0) {\n"
+            "        const long long off = (long long)b * H + n;\n"
+            "        const float resid = dev::ld_act_bf16f(res + off);\n")
+PATCHES["moe_down_resid_first"] = {"moe_down/sm90.cuh": [(DOWN_OUT, (
+    "      const long long off = (long long)b * H + n;\n"
+    "      const float resid = lane == 0 ? dev::ld_act_bf16f(res + off) : 0.f;\n"
+    "      const float total = output(r, n, lane);\n      if (lane == 0) {\n"))]}
+# moe_down with 3 vectors per slot row in flight (qwen3-30b-a3b's I = 768 is 96 vectors: one
+# round per group of slots instead of two, the second half empty). Same results.
+PATCHES["moe_down_kv3"] = {"moe_down/sm90.cuh": [("constexpr int kV = 2;", "constexpr int kV = 3;")]}
 PATCHES["moe_inflight2x"] = {
     "moe_gate_up/sm90.cuh": [("constexpr int kV = 4;", "constexpr int kV = 8;")],
     "moe_down/sm90.cuh": [("constexpr int kV = 2;", "constexpr int kV = 4;")]}
@@ -196,7 +209,7 @@ RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "
         "nanosleep": "nanosleep", "hint": "hint",
         "relaxed_poll": "relaxed_poll", "no_loader": "no_loader", "pagewait": "pagewait1", "no_mma": "no_mma", "no_wload": "no_wload",
         "no_units": "no_units", "warp_release": "warp_release",
-        "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "moe_onepair": "moe_onepair", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "moe_inflight2x": "moe_inflight2x"}
+        "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "moe_down_resid_first": "moe_down_resid_first", "moe_down_kv3": "moe_down_kv3", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "moe_inflight2x": "moe_inflight2x"}
 
 
 def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batch: int) -> dict:
