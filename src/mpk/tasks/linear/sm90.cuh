@@ -141,9 +141,12 @@ __device__ __forceinline__ unsigned long long rank_key(const Scratch& s, int b, 
 }
 
 // ---- epilogue of one output --------------------------------------------------------------------
-// Plain: write out[b][n] from the fp32 sum; returns the stored value (for argmax).
-__device__ __forceinline__ float store_plain(const Task& t, int b, int n, float sum, float resid) {
+// Plain: write out[b][n] from the fp32 sum (+ the residual, resid_bits' raw bits); returns the
+// stored value (for argmax).
+__device__ __forceinline__ float store_plain(const Task& t, int b, int n, float sum,
+                                             unsigned resid_bits) {
   const long long off = (long long)b * t.N + n;
+  const float resid = __uint_as_float(t.f32 ? resid_bits : resid_bits << 16);
   if (t.f32) {
     const float y = t.res ? __fadd_rn(sum, resid) : sum;
     static_cast<float*>(t.out)[off] = y;
@@ -161,10 +164,21 @@ __device__ __forceinline__ void store_silu(const Task& t, int b, int n, float ga
   static_cast<bf16*>(t.out)[(long long)b * t.N + n] = dev::to_bf16(v);
 }
 
-__device__ __forceinline__ float load_resid(const Task& t, int b, int n) {
+// The residual's raw bits (f32, or bf16 zero-extended), loaded into the 32-bit register that
+// store_plain reads: no instruction uses them before the epilogue, so the L2 round trip runs
+// under the walk. (Converted here, each load's bf16 -> f32 shift came right after it and the
+// warp waited for every residual before its walk: o_proj and down spent ~0.6 us from the
+// input mark to the walk, scripts/phase_spread.py; perf-log, thirteenth session.)
+__device__ __forceinline__ unsigned load_resid(const Task& t, int b, int n) {
   const long long off = (long long)b * t.N + n;
-  return t.f32 ? dev::ld_act_f32(static_cast<const float*>(t.resid) + off)
-               : dev::ld_act_bf16f(static_cast<const bf16*>(t.resid) + off);
+  unsigned v;
+  if (t.f32)
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v)
+                 : "l"(static_cast<const float*>(t.resid) + off));
+  else
+    asm volatile("ld.global.cg.u16 %0, [%1];" : "=r"(v)
+                 : "l"(static_cast<const bf16*>(t.resid) + off));
+  return v;
 }
 
 // Output column of stream row r (task-local) for the plain epilogue.
@@ -422,19 +436,19 @@ __device__ __forceinline__ int batch_of(int j, int g) { return (j >> 1) * 8 + g;
 __device__ __forceinline__ int row_of(int j, int tq) { return 2 * tq + (j & 1); }
 
 // Residual values a lane (own blocks) or a thread (shared blocks) will add, loaded before the
-// block's MMAs so the L2 round trip overlaps them. Unused slots hold 0.
-__device__ __forceinline__ void prefetch_own(const Task& t, int rg, float (&r)[4]) {
+// block's MMAs so the L2 round trip overlaps them (raw bits: load_resid). Unused slots hold 0.
+__device__ __forceinline__ void prefetch_own(const Task& t, int rg, unsigned (&r)[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int b = batch_of(j, g), n = out_col(t, rg, row_of(j, tq));
-    r[j] = (t.res && b < t.B && n < t.n1) ? load_resid(t, b, n) : 0.f;
+    r[j] = (t.res && b < t.B && n < t.n1) ? load_resid(t, b, n) : 0u;
   }
 }
 
 // A block of 8 row groups: this warp owns row group `rg` (task-local); write or accumulate.
 __device__ __forceinline__ void finish_own(const Task& t, const Scratch& s, int rg,
-                                           const float (&r)[4], const float (&resid)[4], int ch,
+                                           const float (&r)[4], const unsigned (&resid)[4], int ch,
                                            unsigned long long (&best)[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const bool last = ch == t.nch - 1;
@@ -473,11 +487,12 @@ __device__ __forceinline__ int shared_outputs(const Task& t, int nb) {
   return nb * (t.silu ? 4 : kRows) * t.B;
 }
 
-__device__ __forceinline__ void prefetch_shared(const Task& t, int rg0, int nb, float (&r)[2]) {
+__device__ __forceinline__ void prefetch_shared(const Task& t, int rg0, int nb,
+                                                unsigned (&r)[2]) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int idx = threadIdx.x + NUM_THREADS * i;
-    r[i] = 0.f;
+    r[i] = 0u;
     if (!t.res || t.silu || idx >= shared_outputs(t, nb)) continue;
     const int b = idx % t.B, row = idx / t.B;
     const int n = out_col(t, rg0 + row / kRows, row % kRows);
@@ -498,7 +513,7 @@ __device__ __forceinline__ float reduce_part(const Scratch& s, int buf, int u0, 
 // A block of nb < 8 row groups: the warps' partial sums meet in part[buf], the CTA finishes them.
 __device__ __forceinline__ void finish_shared(const Task& t, const Scratch& s, int rg0, int u0,
                                               int nb, const float (&part)[4], int buf,
-                                              const float (&resid)[2], int ch) {
+                                              const unsigned (&resid)[2], int ch) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
   float* mine = s.part + (buf * kWarps + warp) * kRows * kMaxB;
 #pragma unroll
@@ -666,13 +681,13 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
         float r[4];
         if (nb == kWarps) {
           const int rg = rg0 + ((warp - u0) & (kWarps - 1));
-          float resid[4];
+          unsigned resid[4];
           prefetch_own(t, rg, resid);
           walk(t, s, pc, pbase, u0, nb, nk, r);
           a.mark(1);  // profiling: warp 0's walk of this block is done (the last block's stays)
           finish_own(t, s, rg, r, resid, ch, best);
         } else {
-          float resid[2];
+          unsigned resid[2];
           prefetch_shared(t, rg0, nb, resid);
           walk(t, s, pc, pbase, u0, nb, nk, r);
           a.mark(1);
