@@ -49,9 +49,11 @@ __device__ __forceinline__ int ld_act_i32(const int* p) {
   asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
+// Straight into a 32-bit register (PTX zero-extends): no conversion instruction follows the
+// load, so a caller that keeps the bits unused until later does not wait for them.
 __device__ __forceinline__ uint32_t ld_act_u16(const void* p) {
-  unsigned short v;
-  asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  uint32_t v;
+  asm volatile("ld.global.cg.u16 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
 // One bf16 activation as float.

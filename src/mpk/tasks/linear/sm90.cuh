@@ -164,21 +164,14 @@ __device__ __forceinline__ void store_silu(const Task& t, int b, int n, float ga
   static_cast<bf16*>(t.out)[(long long)b * t.N + n] = dev::to_bf16(v);
 }
 
-// The residual's raw bits (f32, or bf16 zero-extended), loaded into the 32-bit register that
-// store_plain reads: no instruction uses them before the epilogue, so the L2 round trip runs
+// The residual's raw bits (f32, or bf16 zero-extended), which store_plain converts: no instruction uses them before the epilogue, so the L2 round trip runs
 // under the walk. (Converted here, each load's bf16 -> f32 shift came right after it and the
 // warp waited for every residual before its walk: o_proj and down spent ~0.6 us from the
 // input mark to the walk, scripts/phase_spread.py; perf-log, thirteenth session.)
 __device__ __forceinline__ unsigned load_resid(const Task& t, int b, int n) {
   const long long off = (long long)b * t.N + n;
-  unsigned v;
-  if (t.f32)
-    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v)
-                 : "l"(static_cast<const float*>(t.resid) + off));
-  else
-    asm volatile("ld.global.cg.u16 %0, [%1];" : "=r"(v)
-                 : "l"(static_cast<const bf16*>(t.resid) + off));
-  return v;
+  return t.f32 ? dev::ld_act_u32(static_cast<const float*>(t.resid) + off)
+               : dev::ld_act_u16(static_cast<const bf16*>(t.resid) + off);
 }
 
 // Output column of stream row r (task-local) for the plain epilogue.
