@@ -113,10 +113,22 @@ __device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* sme
     const bf16* src = c.qkv + ((long long)(c.row - (p - f)) * c.KVH + hh) * W * c.D +
                       (long long)which * c.D;
     const bool own = f == p && crow >= 0;
+    // Every element of the vector is loaded before any is used: one L2 round trip. (A use right
+    // after each load, a bf16 -> f32 shift or a store that may alias the next load, made it
+    // kLanes round trips in a row: perf-log, thirteenth session.)
+    uint32_t raw[kLanes];
+#pragma unroll
+    for (int i = 0; i < kLanes; ++i) {
+      const int e = lane + 32 * i;
+      raw[i] = e < c.D ? dev::ld_act_u16(src + e) : 0u;
+    }
     if (which == c.G + 1) {  // value: as is
       bf16* dst = vnew + (f - flo) * c.D;
-      for (int e = lane; e < c.D; e += 32) {
-        const bf16 v = __ushort_as_bfloat16(static_cast<unsigned short>(dev::ld_act_u16(src + e)));
+#pragma unroll
+      for (int i = 0; i < kLanes; ++i) {
+        const int e = lane + 32 * i;
+        if (e >= c.D) continue;
+        const bf16 v = __ushort_as_bfloat16(static_cast<unsigned short>(raw[i]));
         dst[e] = v;
         if (own) c.vc[(crow + hh) * c.D + e] = v;
       }
@@ -129,10 +141,10 @@ __device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* sme
 #pragma unroll
     for (int i = 0; i < kLanes; ++i) {
       const int e = lane + 32 * i;
-      v[i] = cs[i] = sn[i] = 0.f;
+      v[i] = __uint_as_float(raw[i] << 16);  // 0 past the head (the old v[i] = 0)
+      cs[i] = sn[i] = 0.f;
       w[i] = 1.f;
       if (e < c.D) {
-        v[i] = dev::ld_act_bf16f(src + e);
         const int r = e < half ? e : e - half;
         cs[i] = rrow[r];
         sn[i] = rrow[half + r];
