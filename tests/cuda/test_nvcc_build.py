@@ -78,7 +78,8 @@ def test_real_task_kernels_compile_clean(cache_root: Path) -> None:
     in one layout (tenth session): 92 B stored, 160 B reloaded (linear's at its task set-up and
     argmax write, once per task; none in a walk); since the rmsnorm input's row sums are
     reduced for all rows at once (twelfth session): 76 B stored, 144 B reloaded; since the MoE
-    experts' inner loops are branch-free (thirteenth session): 72 B stored, 140 B reloaded. The plans
+    experts' inner loops are branch-free and moe_down stages row 0 before its ids (thirteenth
+    session): 72 B stored, 144 B reloaded. The plans
     models compile stay at zero (test_qwen3_0_6b_megakernel_compiles_clean, the tensor-parallel one, the MoE ones;
     qwen3-8b, llama-3.2-1b and smollm2-135m were checked by hand). The prefill plan's own kinds
     build in the next test, as the prefill plans combine them."""

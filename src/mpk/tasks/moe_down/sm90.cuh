@@ -9,12 +9,13 @@
 // Shared scratch (task.py HEADER_BYTES + one row's K activations): [ids: B*K i32]
 // [weights: B*K f32] ... at HEADER_BYTES: [xs: K x I bf16, batch row b's expert activations].
 //
-// Per batch row b: its K activation rows are staged (cp.async, L2), then warp w takes outputs
-// n = lo + w, lo + w + 8, ... For one output the slots are visited in groups of kJ: each lane
-// keeps kJ x kV 16-byte vectors of the chosen experts' rows W[e, n] in flight (weights, read-only
-// path; no stream because the address depends on this step's ids: issue 12), and one fp32 dot
-// per slot; after a group, its slots are rounded, weighted, rounded and added to the running
-// fp32 sum in slot order, so the sum is the reference's. An id outside [0, E) adds nothing.
+// Per batch row b: its K activation rows are staged (cp.async, L2; row 0's before the ids are
+// read), then warp w takes outputs n = lo + w, lo + w + 8, ... For one output the slots are
+// visited in groups of kJ: each lane keeps kJ x kV 16-byte vectors of the chosen experts' rows
+// W[e, n] in flight (weights, read-only path; no stream because the address depends on this
+// step's ids: issue 12), and one fp32 dot per slot; after a group, its slots are rounded,
+// weighted, rounded and added to the running fp32 sum in slot order, so the sum is the
+// reference's. An id outside [0, E) adds nothing.
 // Register use stays small (inlined into the all-kinds dispatch switch): kJ x kV vectors and kJ
 // sums, indexed by compile-time constants; outer loops not unrolled.
 #pragma once
@@ -123,17 +124,22 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   int* ids = reinterpret_cast<int*>(a.smem);
   float* ws = reinterpret_cast<float*>(ids + BK);
   bf16* xs = reinterpret_cast<bf16*>(a.smem + kHeader);
+  const int kvpr = K * I / 8;  // 16-byte vectors of one row's K activations
+  // Row 0's activations are asked for before the ids and routing weights: a thread's store of
+  // an id waits for its load, which would hold its copies back by one L2 round trip.
+  for (int v = tid; v < kvpr; v += NUM_THREADS) dev::cp_async_act16(xs + v * 8, x + v * 8);
   for (int i = tid; i < BK; i += NUM_THREADS) {  // activations: L2 loads
     ids[i] = dev::ld_act_i32(gids + i);
     ws[i] = dev::ld_act_bf16f(gws + i);
   }
-  const int kvpr = K * I / 8;  // 16-byte vectors of one row's K activations
   Row r{weight, ids, ws, dev::smem_addr(xs), H, I, E, K};
 #pragma unroll 1
   for (int b = 0; b < B; ++b) {
-    if (b > 0) mpk::task_sync();  // every warp is done with row b-1's activations
-    for (int v = tid; v < kvpr; v += NUM_THREADS)
-      dev::cp_async_act16(xs + v * 8, x + (long long)b * K * I + v * 8);
+    if (b > 0) {
+      mpk::task_sync();  // every warp is done with row b-1's activations
+      for (int v = tid; v < kvpr; v += NUM_THREADS)
+        dev::cp_async_act16(xs + v * 8, x + (long long)b * K * I + v * 8);
+    }
     dev::cp_async_wait_all();
     mpk::task_sync();  // also publishes ids / ws (first row)
     r.ids = ids + b * K;
