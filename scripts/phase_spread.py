@@ -37,7 +37,7 @@ def spread(tl) -> dict[str, dict[str, float]]:  # type: ignore[no-untyped-def]
     groups = np.split(order, first[1:])
     last_end = {int(k): int(tl.end_ns[g].max()) for k, g in zip(keys, groups)}
     for k, m in zip(keys, groups):
-        step, op = divmod(int(k), nops)
+        _, op = divmod(int(k), nops)
         if op == 0 or int(k) - 1 not in last_end:
             continue
         prev = last_end[int(k) - 1]
