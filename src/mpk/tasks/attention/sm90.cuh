@@ -113,24 +113,15 @@ __device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* sme
     const bf16* src = c.qkv + ((long long)(c.row - (p - f)) * c.KVH + hh) * W * c.D +
                       (long long)which * c.D;
     const bool own = f == p && crow >= 0;
-    // Every element of the vector is loaded before any is used: one L2 round trip. (A use right
-    // after each load, a bf16 -> f32 shift or a store that may alias the next load, made it
-    // kLanes round trips in a row: perf-log, thirteenth session.)
-    uint32_t raw[kLanes];
-#pragma unroll
-    for (int i = 0; i < kLanes; ++i) {
-      const int e = lane + 32 * i;
-      raw[i] = e < c.D ? dev::ld_act_u16(src + e) : 0u;
-    }
-    if (which == c.G + 1) {  // value: as is
+    // Each vector's elements are loaded before any is used. (A use right after each load, a
+    // bf16 -> f32 shift or a store that may alias the next load, made kLanes L2 round trips in a
+    // row per vector: perf-log, thirteenth session.)
+    if (which == c.G + 1) {  // value: as is, 4 elements (8 bytes) a lane: one load at D <= 128
       bf16* dst = vnew + (f - flo) * c.D;
-#pragma unroll
-      for (int i = 0; i < kLanes; ++i) {
-        const int e = lane + 32 * i;
-        if (e >= c.D) continue;
-        const bf16 v = __ushort_as_bfloat16(static_cast<unsigned short>(raw[i]));
-        dst[e] = v;
-        if (own) c.vc[(crow + hh) * c.D + e] = v;
+      for (int e = 4 * lane; e < c.D; e += 128) {  // D % 16 == 0 (supported): 8-byte aligned
+        const uint2 v = dev::ld_act_v2(src + e);
+        *reinterpret_cast<uint2*>(dst + e) = v;
+        if (own) *reinterpret_cast<uint2*>(c.vc + (crow + hh) * c.D + e) = v;
       }
       continue;
     }
@@ -141,16 +132,18 @@ __device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* sme
 #pragma unroll
     for (int i = 0; i < kLanes; ++i) {
       const int e = lane + 32 * i;
-      v[i] = __uint_as_float(raw[i] << 16);  // 0 past the head (the old v[i] = 0)
-      cs[i] = sn[i] = 0.f;
+      v[i] = cs[i] = sn[i] = 0.f;
       w[i] = 1.f;
       if (e < c.D) {
+        v[i] = __uint_as_float(dev::ld_act_u16(src + e));  // raw bits: shifted below
         const int r = e < half ? e : e - half;
         cs[i] = rrow[r];
         sn[i] = rrow[half + r];
         if (c.norm) w[i] = nw[e];
       }
     }
+#pragma unroll
+    for (int i = 0; i < kLanes; ++i) v[i] = __uint_as_float(__float_as_uint(v[i]) << 16);
     bf16* dst = query ? qs + j * c.D : knew + (f - flo) * c.D;
     dev::norm_rope(v, cs, sn, w, c.norm, c.D, c.eps, buf, [&](int e, bf16 ob) {
       dst[e] = ob;
