@@ -87,13 +87,14 @@ def test_generate_feeds_a_long_prompt_on_the_prefill_plan(name: str) -> None:
 
 
 def test_serving_builds_the_prefill_plan_at_start() -> None:
-    """A server pays for the prefill plan when it starts, not when the first long prompt
-    arrives while others decode; generate builds it only for a prompt that needs it."""
+    """A server pays for its plans when it starts, not when the first long prompt (or the first
+    lone request) arrives; generate builds the prefill plan only for a prompt that needs it."""
     engine, _, _ = engine_for("tiny-llama")
     engine.generate([[1, 2, 3]], max_new_tokens=2)  # short: fed on the batch-1 plan alone
-    assert engine._runners[1].wide is None
+    rows = engine.options.prefill_rows
+    assert rows not in engine._runners[1].rows
     engine.start(max_batch=2)
-    try:
-        assert engine._runners[2].wide is not None
+    try:  # the prefill_rows plan and the one-row plan for a lone request
+        assert set(engine._runners[2].rows) == {rows, 1}
     finally:
         engine.stop()

@@ -385,6 +385,40 @@ def test_a_wide_plan_takes_the_launches_that_feed_prompts() -> None:
     assert len(narrow.launches) > 1 and pool.num_free == 64
 
 
+def test_a_lone_request_past_its_prompt_decodes_on_the_one_row_plan() -> None:
+    """Four slots and a one-row plan on the same cache: a lone request's prompt is fed as a run
+    on the slots' plan, then it decodes on the one-row plan; a second request sends the
+    launches back to the slots' plan, and when it finishes the first is alone again. Both keep
+    their solo tokens; the one-row plan is built once."""
+    pool = PagePool(64, PAGE)
+    slots, single = FakeExecutor(4, 4, 64), FakeExecutor(1, 4, 64)
+    single.cache = slots.cache  # one KV cache, as the engine binds it
+    built = []
+
+    def make_single() -> tuple[FakeExecutor, int]:
+        built.append(1)
+        return single, 1
+
+    sched = Scheduler(slots, pool, 4, MAX_PAGES, 4, single=make_single)
+    prompt = [(5 * i + 2) % VOCAB for i in range(9)]
+    a = sched.submit(RequestHandle(prompt, SamplingParams(max_tokens=40)))
+    sched.step()
+    assert not built and max(slots.widths) > 1  # the prompt: a run on the slots' plan
+    while sched.running[0].prompt_left > 1:
+        sched.step()
+    sched.step()
+    assert built == [1] and len(single.launches) == 1
+    b = sched.submit(RequestHandle([7, 3], SamplingParams(max_tokens=5)))
+    launches = len(slots.launches)
+    sched.step()
+    assert len(slots.launches) == launches + 1  # two requests: the slots' plan
+    drain(sched)
+    assert built == [1] and len(single.launches) > 1  # alone again after b ended
+    assert a.result().token_ids == solo(prompt, 40)
+    assert b.result().token_ids == solo([7, 3], 5)
+    assert pool.num_free == 64
+
+
 # ---- prompts fed through a prefill plan (models/prefill.py) -----------------------------------
 class FakeChunkExecutor:
     """The prefill plan's step semantics with the fake rule: rows 0 .. n-1 are positions

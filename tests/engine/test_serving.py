@@ -48,6 +48,22 @@ def test_staggered_requests_match_the_reference(model) -> None:
     assert engine.scheduler is None
 
 
+def test_a_lone_request_decodes_on_the_one_row_plan(model) -> None:
+    """Two slots, one request: once its prompt is fed (here by the prefill plan) it decodes on
+    the one-row plan on the same KV cache; its tokens are the reference's."""
+    cfg, weights = model
+    engine = Engine(cfg, weights, backend="cpu", num_sms=4, max_seq_len=64, steps_per_launch=4,
+                    progress=False)
+    engine.start(max_batch=2)
+    prompt = [4, 4, 4, 4, 4, 1]
+    got = engine.submit(prompt, SamplingParams(max_tokens=9)).result(timeout=120).token_ids
+    rows = list(engine.scheduler.stats.decode_rows)
+    engine.stop()
+    assert rows and set(rows) == {1}, rows
+    bad = greedy_mismatches(ReferenceModel(cfg, weights, max_seq=64), [prompt], [got])
+    assert not bad, "; ".join(bad)
+
+
 def test_drain_finishes_then_refuses_and_cancel_frees(model) -> None:
     cfg, weights = model
     engine = Engine(cfg, weights, backend="cpu", num_sms=4, max_seq_len=64, steps_per_launch=2,

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -89,14 +89,14 @@ class EngineConfig:
 
 @dataclass
 class _Runner:
-    """Everything compiled and allocated for one batch size; once a long prompt asked for them,
-    on the same KV cache: `wide`, the prefill_rows plan's executor, `chunk`, the prefill
-    plan's."""
+    """Everything compiled and allocated for one batch size, and once asked for, on the same KV
+    cache: `rows`, the decode plans of other row counts by rows (prefill_rows for long prompts,
+    one row for a lone request when serving), `chunk`, the prefill plan's executor."""
 
     plan: Plan
     executor: Executor
     cache: KvCache
-    wide: Executor | None = None
+    rows: dict[int, Executor] = field(default_factory=dict)
     chunk: Executor | None = None
 
 
@@ -154,13 +154,15 @@ class Engine:
     # ---- serving: requests that come and go ----------------------------------------------
     def start(self, max_batch: int = 8, detokenize: Detokenize | None = None) -> None:
         """Serve submitted requests on a background thread, up to `max_batch` at once (one plan
-        of max_batch rows, the prefill plan where the backend runs one, and the plan of
-        prefill_rows rows when that is larger: all built here, so no request waits for a
-        compile). `detokenize` (token ids -> text) enables stop strings."""
+        of max_batch rows, a one-row plan for a lone request, the prefill plan where the backend
+        runs one, and the plan of prefill_rows rows when that is larger: all built here, so no
+        request waits for a compile). `detokenize` (token ids -> text) enables stop strings."""
         if self._serving is not None:
             raise MpkError("the engine is already serving")
         timings = {"compile_s": 0.0, "load_s": 0.0}
-        sched = self._scheduler(max_batch, timings, detokenize)
+        sched = self._scheduler(max_batch, timings, detokenize, serving=True)
+        if self._lone_plan(max_batch):
+            self._single(max_batch, timings)
         if self._chunked:
             self._chunk(max_batch, timings)
         if self.options.prefill_rows > max_batch:
@@ -250,8 +252,8 @@ class Engine:
         return rows
 
     # ---- one compiled plan per batch size ----------------------------------------------------
-    def _scheduler(self, batch: int, timings: dict[str, float],
-                   detokenize: Detokenize | None) -> Scheduler:
+    def _scheduler(self, batch: int, timings: dict[str, float], detokenize: Detokenize | None,
+                   serving: bool = False) -> Scheduler:
         runner = self._runner(batch, timings)
 
         def chunk_plan() -> tuple[Executor, int]:
@@ -259,6 +261,9 @@ class Engine:
 
         def wide_plan() -> tuple[Executor, int]:
             return self._wide(batch, timings), self.options.prefill_rows
+
+        def single_plan() -> tuple[Executor, int]:
+            return self._single(batch, timings), 1
 
         # Long prompts go through the prefill plan where the backend runs one; shorter ones (and
         # all, without one) as runs, on the wider plan when the batch's spare rows are few.
@@ -268,7 +273,14 @@ class Engine:
                          wide=wide_plan if wider else None,
                          chunk=chunk_plan if chunked else None,
                          chunk_size=self.options.prefill_chunk,
-                         chunk_segments=self._segments(batch))
+                         chunk_segments=self._segments(batch),
+                         single=single_plan if serving and self._lone_plan(batch) else None)
+
+    def _lone_plan(self, batch: int) -> bool:
+        """Whether serving on `batch` slots runs a lone request on a one-row plan (its own copy
+        of the dense weights' streams on the GPU; one GPU only). Not for generate(): its last
+        prompt alone would wait for a compile to save a fraction of a millisecond a step."""
+        return batch > 1 and self.tp is None
 
     @property
     def _chunked(self) -> bool:
@@ -315,12 +327,18 @@ class Engine:
 
     def _wide(self, batch: int, timings: dict[str, float]) -> Executor:
         """The prefill_rows plan of the batch-`batch` runner, on its KV cache."""
+        return self._rows_plan(batch, self.options.prefill_rows, timings)
+
+    def _single(self, batch: int, timings: dict[str, float]) -> Executor:
+        """The one-row plan of the batch-`batch` runner, on its KV cache."""
+        return self._rows_plan(batch, 1, timings)
+
+    def _rows_plan(self, batch: int, rows: int, timings: dict[str, float]) -> Executor:
         runner = self._runners[batch]
-        if runner.wide is None:
-            shape = self.options.decode_shape(self.options.prefill_rows, batch)
-            plan = self._compile_decode(shape, timings)
-            runner.wide = self._bound_executor(plan, runner.cache, timings)
-        return runner.wide
+        if rows not in runner.rows:
+            plan = self._compile_decode(self.options.decode_shape(rows, batch), timings)
+            runner.rows[rows] = self._bound_executor(plan, runner.cache, timings)
+        return runner.rows[rows]
 
     def _compile_decode(self, shape: DecodeShape, timings: dict[str, float]) -> Plan:
         opts = self.options
