@@ -360,18 +360,26 @@ def test_cancelling_a_request_while_its_prompt_runs_frees_its_rows() -> None:
     assert b.result().token_ids == solo([4, 4], 6) and sched.pool.num_free == 64
 
 
+def other_plan(slots: FakeExecutor, rows: int):  # type: ignore[no-untyped-def]
+    """A plan of `rows` rows on the slots' KV cache (as the engine binds it), the maker the
+    scheduler calls on first use, and the list each call appends to."""
+    other = FakeExecutor(rows, slots.io[io.PROMPT].shape[0], len(slots.cache) // PAGE)
+    other.cache = slots.cache
+    built: list[int] = []
+
+    def make() -> tuple[FakeExecutor, int]:
+        built.append(1)
+        return other, rows
+
+    return other, make, built
+
+
 def test_a_wide_plan_takes_the_launches_that_feed_prompts() -> None:
     """Two slots, a 12-row wide plan on the same cache: launches that feed a long prompt run
     there, decoding-only launches on the slots' plan; every request keeps its solo tokens."""
     pool = PagePool(64, PAGE)
-    narrow, wide = FakeExecutor(2, 4, 64), FakeExecutor(12, 4, 64)
-    wide.cache = narrow.cache  # one KV cache, as the engine binds it
-    built = []
-
-    def make_wide() -> tuple[FakeExecutor, int]:
-        built.append(1)
-        return wide, 12
-
+    narrow = FakeExecutor(2, 4, 64)
+    wide, make_wide, built = other_plan(narrow, 12)
     sched = Scheduler(narrow, pool, 2, MAX_PAGES, 4, wide=make_wide)
     a = sched.submit(RequestHandle([1, 2, 3], SamplingParams(max_tokens=30)))
     sched.step()
@@ -391,14 +399,8 @@ def test_a_lone_request_past_its_prompt_decodes_on_the_one_row_plan() -> None:
     launches back to the slots' plan, and when it finishes the first is alone again. Both keep
     their solo tokens; the one-row plan is built once."""
     pool = PagePool(64, PAGE)
-    slots, single = FakeExecutor(4, 4, 64), FakeExecutor(1, 4, 64)
-    single.cache = slots.cache  # one KV cache, as the engine binds it
-    built = []
-
-    def make_single() -> tuple[FakeExecutor, int]:
-        built.append(1)
-        return single, 1
-
+    slots = FakeExecutor(4, 4, 64)
+    single, make_single, built = other_plan(slots, 1)
     sched = Scheduler(slots, pool, 4, MAX_PAGES, 4, single=make_single)
     prompt = [(5 * i + 2) % VOCAB for i in range(9)]
     a = sched.submit(RequestHandle(prompt, SamplingParams(max_tokens=40)))
