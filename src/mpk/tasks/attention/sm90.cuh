@@ -143,7 +143,7 @@ __device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* sme
       }
     }
 #pragma unroll
-    for (int i = 0; i < kLanes; ++i) v[i] = __uint_as_float(__float_as_uint(v[i]) << 16);
+    for (int i = 0; i < kLanes; ++i) v[i] = dev::bf16lo(__float_as_uint(v[i]));
     bf16* dst = query ? qs + j * c.D : knew + (f - flo) * c.D;
     dev::norm_rope(v, cs, sn, w, c.norm, c.D, c.eps, buf, [&](int e, bf16 ob) {
       dst[e] = ob;

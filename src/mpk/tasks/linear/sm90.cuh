@@ -146,7 +146,7 @@ __device__ __forceinline__ unsigned long long rank_key(const Scratch& s, int b, 
 __device__ __forceinline__ float store_plain(const Task& t, int b, int n, float sum,
                                              unsigned resid_bits) {
   const long long off = (long long)b * t.N + n;
-  const float resid = __uint_as_float(t.f32 ? resid_bits : resid_bits << 16);
+  const float resid = t.f32 ? __uint_as_float(resid_bits) : dev::bf16lo(resid_bits);
   if (t.f32) {
     const float y = t.res ? __fadd_rn(sum, resid) : sum;
     static_cast<float*>(t.out)[off] = y;
@@ -164,10 +164,11 @@ __device__ __forceinline__ void store_silu(const Task& t, int b, int n, float ga
   static_cast<bf16*>(t.out)[(long long)b * t.N + n] = dev::to_bf16(v);
 }
 
-// The residual's raw bits (f32, or bf16 zero-extended), which store_plain converts: no instruction uses them before the epilogue, so the L2 round trip runs
-// under the walk. (Converted here, each load's bf16 -> f32 shift came right after it and the
-// warp waited for every residual before its walk: o_proj and down spent ~0.6 us from the
-// input mark to the walk, scripts/phase_spread.py; perf-log, thirteenth session.)
+// The residual's raw bits (f32, or bf16 zero-extended), which store_plain converts: no
+// instruction uses them before the epilogue, so the L2 round trip runs under the walk.
+// (Converted here, each load's bf16 -> f32 shift came right after it and the warp waited for
+// every residual before its walk: o_proj and down spent ~0.6 us from the input mark to the
+// walk, scripts/phase_spread.py; perf-log, thirteenth session.)
 __device__ __forceinline__ unsigned load_resid(const Task& t, int b, int n) {
   const long long off = (long long)b * t.N + n;
   return t.f32 ? dev::ld_act_u32(static_cast<const float*>(t.resid) + off)

@@ -104,6 +104,12 @@ __device__ __forceinline__ float output(const Row& r, int n, int lane) {
   return total;
 }
 
+// Batch row b's K activation rows into xs (cp.async, not waited for).
+__device__ __forceinline__ void stage_row(bf16* xs, const bf16* x, int b, int kvpr) {
+  for (int v = threadIdx.x; v < kvpr; v += NUM_THREADS)
+    dev::cp_async_act16(xs + v * 8, x + (long long)b * kvpr * 8 + v * 8);
+}
+
 }  // namespace detail
 
 MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
@@ -127,7 +133,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   const int kvpr = K * I / 8;  // 16-byte vectors of one row's K activations
   // Row 0's activations are asked for before the ids and routing weights: a thread's store of
   // an id waits for its load, which would hold its copies back by one L2 round trip.
-  for (int v = tid; v < kvpr; v += NUM_THREADS) dev::cp_async_act16(xs + v * 8, x + v * 8);
+  stage_row(xs, x, 0, kvpr);
   for (int i = tid; i < BK; i += NUM_THREADS) {  // activations: L2 loads
     ids[i] = dev::ld_act_i32(gids + i);
     ws[i] = dev::ld_act_bf16f(gws + i);
@@ -137,8 +143,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   for (int b = 0; b < B; ++b) {
     if (b > 0) {
       mpk::task_sync();  // every warp is done with row b-1's activations
-      for (int v = tid; v < kvpr; v += NUM_THREADS)
-        dev::cp_async_act16(xs + v * 8, x + (long long)b * K * I + v * 8);
+      stage_row(xs, x, b, kvpr);
     }
     dev::cp_async_wait_all();
     mpk::task_sync();  // also publishes ids / ws (first row)
