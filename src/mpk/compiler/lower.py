@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 
 from mpk.compiler import record
 from mpk.compiler.counters import CounterPlan, assign_counters
 from mpk.compiler.deps import find_edges
+from mpk.compiler.flags import Flags, plan_flags
 from mpk.compiler.fuse import fuse
 from mpk.compiler.plan import Plan, PlanOp, PlanStream, PlanTensor
 from mpk.compiler.schedule import CostModel, Schedule, schedule_tasks
@@ -41,18 +43,19 @@ def compile_graph(graph: Graph, num_sms: int = DEFAULT_NUM_SMS, *, fuse_ops: boo
     costs = [op.kind.cost(op.view) for op in ops for _ in range(op.num_tasks)]
     sched = schedule_tasks(costs, counters.waits, counters.signals, num_sms, cost_model)
     layouts = {op.index: op.kind.stream_layout(op.view) for op in ops}
-    tensors, tensor_ids, arena = _tensor_table(graph, ops)
+    flags = plan_flags(graph, ops, counters)
+    tensors, tensor_ids, arena = _tensor_table(graph, ops, flags.tensors)
     streams = tuple(PlanStream(op.index, layouts[op.index].total_bytes) for op in ops
                     if layouts[op.index] is not None)
     stream_ids = {s.op: len(tensors) + i for i, s in enumerate(streams)}
     kinds = tuple(sorted({op.op.kind for op in ops}))
     instrs, lengths = _records(ops, counters, sched, tensor_ids, kinds, graph, num_sms, layouts,
-                               stream_ids)
+                               stream_ids, flags)
     check_deadlock_free(instrs, lengths, len(counters.counts))
     plan = Plan(
         num_sms=num_sms, kinds=kinds, tensors=tensors,
         ops=tuple(_plan_op(op, tensor_ids) for op in ops),
-        op_params=_op_params(ops), instrs=instrs, lengths=lengths,
+        op_params=_op_params(ops, flags), instrs=instrs, lengths=lengths,
         counter_counts=np.array(counters.counts, dtype=np.int32), arena_bytes=arena,
         scratch_bytes=_scratch_bytes(ops), streams=streams, constants=_cuda_constants(ops),
     )
@@ -61,20 +64,20 @@ def compile_graph(graph: Graph, num_sms: int = DEFAULT_NUM_SMS, *, fuse_ops: boo
     return plan
 
 
-def _tensor_table(graph: Graph, ops: list[TiledOp]
+def _tensor_table(graph: Graph, ops: list[TiledOp], flagged: frozenset[str]
                   ) -> tuple[tuple[PlanTensor, ...], dict[str, int], int]:
     used = {acc.tensor for op in ops for acc in op.accesses}
     table, ids, offset = [], {}, 0
     for name, spec in graph.tensors.items():
         if name not in used:
             continue
-        tensor_offset = -1
+        entry = PlanTensor(name, spec.shape, spec.dtype.value, spec.role.value, -1,
+                           name in flagged)
         if spec.role is Role.ACTIVATION:
-            tensor_offset = offset
-            offset += -(-spec.nbytes // ARENA_ALIGN) * ARENA_ALIGN
+            entry = replace(entry, offset=offset)
+            offset += -(-entry.device_nbytes // ARENA_ALIGN) * ARENA_ALIGN
         ids[name] = len(table)
-        table.append(PlanTensor(name, spec.shape, spec.dtype.value, spec.role.value,
-                                tensor_offset))
+        table.append(entry)
     return tuple(table), ids, offset
 
 
@@ -97,20 +100,21 @@ def _scratch_bytes(ops: list[TiledOp]) -> int:
     return max(SCRATCH_ROUND, -(-need // SCRATCH_ROUND) * SCRATCH_ROUND)
 
 
-def _op_params(ops: list[TiledOp]) -> np.ndarray:
+def _op_params(ops: list[TiledOp], flags: Flags) -> np.ndarray:
     table = np.zeros((len(ops), record.PARAM_WORDS), dtype=np.int32)
     for i, op in enumerate(ops):
         words = op.kind.param_words(op.view)
-        if len(words) > record.PARAM_WORDS:
-            raise AssertionError(f"{op.kind.name} has more than {record.PARAM_WORDS} params")
+        if len(words) > record.FLAG_PARAMS:
+            raise AssertionError(f"{op.kind.name} has more than {record.FLAG_PARAMS} params")
         table[i, : len(words)] = words
+        table[i, record.FLAG_PARAMS:] = flags.entries.get(op.index, (0,) * record.FLAG_ENTRIES)
     return table
 
 
 def _records(ops: list[TiledOp], counters: CounterPlan, sched: Schedule,
              tensor_ids: dict[str, int], kinds: tuple[str, ...], graph: Graph,
-             num_sms: int, layouts: dict[int, StreamLayout | None], stream_ids: dict[int, int]
-             ) -> tuple[np.ndarray, np.ndarray]:
+             num_sms: int, layouts: dict[int, StreamLayout | None], stream_ids: dict[int, int],
+             flags: Flags) -> tuple[np.ndarray, np.ndarray]:
     lengths = np.bincount(sched.sm_of_task, minlength=num_sms).astype(np.int32)
     instrs = np.full((num_sms, max(int(lengths.max()), 1), record.WORDS), 0, dtype=np.int32)
     fill = np.zeros(num_sms, dtype=np.int64)
@@ -120,6 +124,7 @@ def _records(ops: list[TiledOp], counters: CounterPlan, sched: Schedule,
         for local in range(op.num_tasks):
             task = op.first_task + local
             rec = _record_of(op, local, task, kind_id, slots, counters, tensor_ids, graph)
+            rec[record.POLLED] = flags.polled[task]
             _stream_fields(rec, layouts[op.index], local, stream_ids.get(op.index, -1))
             sm = int(sched.sm_of_task[task])
             instrs[sm, fill[sm]] = rec

@@ -30,6 +30,15 @@ class PlanTensor:
     dtype: str  # DType value
     role: str  # Role value
     offset: int  # byte offset in the arena, -1 for attached tensors
+    # Stored in the flagged form on the GPU (compiler/flags.py): u64 words [..., N/2] of a bf16
+    # pair and its write's epoch, twice the bytes. Backends that do not poll ignore it.
+    flagged: bool = False
+
+    @property
+    def device_nbytes(self) -> int:
+        """Bytes of the tensor's device storage (twice the data when flagged)."""
+        n = DType(self.dtype).itemsize * int(np.prod(self.shape, dtype=np.int64))
+        return 2 * n if self.flagged else n
 
 
 @dataclass(frozen=True)
@@ -164,7 +173,8 @@ class Plan:
             num_sms=head["num_sms"],
             kinds=tuple(head["kinds"]),
             tensors=tuple(PlanTensor(t["name"], tuple(t["shape"]), t["dtype"], t["role"],
-                                     t["offset"]) for t in head["tensors"]),
+                                     t["offset"], t.get("flagged", False))
+                          for t in head["tensors"]),
             ops=tuple(PlanOp(o["name"], o["kind"], tuple(o["grid"]),
                              tuple((a, b) for a, b in o["operands"]),
                              tuple((a, tuple(b)) for a, b in o["splits"]),

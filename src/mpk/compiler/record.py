@@ -29,7 +29,16 @@ OPERANDS = 24  # MAX_OPERANDS x (tensor id or -1, element offset low, element of
 STREAM = 60
 STREAM_OFFSET = 61  # low, high
 STREAM_RUNS = 63
-END = 69
+# Bit w set: the CUDA controller skips wait w, because the task polls the producers' data itself
+# (flagged activations, compiler/flags.py). Every backend that does not poll honours the wait.
+POLLED = 69
+END = 70
+
+# The last FLAG_ENTRIES words of an op's parameter row belong to the compiler: one entry per
+# flagged operand of the op (compiler/flags.py encodes them), zero when unused. A kind's own
+# params take the words before them.
+FLAG_ENTRIES = 4
+FLAG_PARAMS = PARAM_WORDS - FLAG_ENTRIES
 
 WAIT_STRIDE = 3
 OPERAND_STRIDE = 3

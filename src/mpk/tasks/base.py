@@ -238,6 +238,14 @@ class TaskKind:
         """Values of cuda_defaults this op needs (e.g. a register-array size)."""
         return {}
 
+    def flag_operands(self, op: OpView) -> frozenset[str]:
+        """Operands whose tensor this op's CUDA code can access in the flagged form
+        (compiler/flags.py): reads poll each 64-bit word until it carries the epoch the
+        operand's flag entry names; writes store whole bf16 pairs with their epoch, and only
+        after every read of the task is done (a consumer that saw the output may then
+        overwrite what the task read). Default: none."""
+        return frozenset()
+
     def stream_layout(self, op: OpView) -> StreamLayout | None:
         """The op's weight stream, or None when its tasks read weights from global memory."""
         return None

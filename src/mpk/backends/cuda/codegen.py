@@ -33,7 +33,8 @@ CSRC_DIR = Path(__file__).parent / "csrc"
 TEMPLATE = CSRC_DIR / "megakernel.cu.in"
 
 # Bump when Params, the error buffer or the exported host functions change meaning.
-ABI_VERSION = 4  # 2: Params.profile; 3: tensor-parallel peers; 4: warp roles, weight pages
+ABI_VERSION = 5  # 2: Params.profile; 3: tensor-parallel peers; 4: warp roles, weight pages;
+# 5: flagged activations (record POLLED, the params' flag entries)
 NUM_THREADS = 256  # consumer threads: what a task runs on (the runtime adds a producer warpgroup)
 RUNTIME_THREADS = NUM_THREADS + 128
 PAGE_BYTES = base.PAGE_BYTES
@@ -68,7 +69,7 @@ SM_STATE_FIELDS: dict[str, int] = {"STATUS": 0, "INDEX": 1, "STEP": 2, "WAIT": 3
 SM_STATE_WORDS = 4
 # PEER: stopped after a task that waits on its own (the tensor-parallel all-reduce's peer wait)
 # saw the launch stop.
-SM_STATUS: dict[str, int] = {"WAITING": 1, "BAD_KIND": 2, "PEER": 3}
+SM_STATUS: dict[str, int] = {"WAITING": 1, "BAD_KIND": 2, "PEER": 3, "POLL": 4}
 
 # The per-record timer stamps of a profiling build (emitted as PROF_<NAME>, PROF_STAMPS): the
 # runtime writes profile[step][sm][index][stamp] with these stamp indices.

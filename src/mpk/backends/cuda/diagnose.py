@@ -88,6 +88,11 @@ def explain(plan: Plan, sm_state: np.ndarray, counters: np.ndarray, step_begin: 
         where = f"task {s.task} {plan.task_name(s.task)} on SM {s.sm}"
         if s.status == codegen.SM_STATUS["BAD_KIND"]:
             return f"{where} has an unknown kind id"
+        if s.status == codegen.SM_STATUS["POLL"]:
+            return (f"{where} (position {s.index}) at global step {step_begin + s.step} polled "
+                    f"its flagged input from the tasks that signal counter {s.counter} and never "
+                    f"saw the epoch it expects (counter value {int(counters[s.counter])}, "
+                    f"needs {s.target})")
         if s.status == codegen.SM_STATUS["PEER"]:
             return (f"{where} (position {s.index}) at global step {step_begin + s.step} stopped "
                     f"in its wait for the other tensor-parallel GPUs' partials")
@@ -99,8 +104,10 @@ def explain(plan: Plan, sm_state: np.ndarray, counters: np.ndarray, step_begin: 
     for s in roots:
         why = ("" if s.status in (codegen.SM_STATUS["BAD_KIND"], codegen.SM_STATUS["PEER"]) else
                f"; every task that signals counter {s.counter} for that step "
-               f"({_names(plan, s.counter)}) has finished, so the wait's count or the "
-               f"counter's signals are wrong")
+               f"({_names(plan, s.counter)}) has finished, so "
+               + ("the epochs their writes carry are not the ones it reads (flag entries)"
+                  if s.status == codegen.SM_STATUS["POLL"] else
+                  "the wait's count or the counter's signals are wrong"))
         lines.append(f"root cause: {describe(s)}{why}")
     if not roots:
         lines.append("no root cause: the stopped waits wait on each other (a schedule "

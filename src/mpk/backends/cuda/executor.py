@@ -2,7 +2,9 @@
 
 Device state (all torch allocations on the executor's device):
   arena       uint8 [arena_bytes]; ACTIVATION tensors are views into it (0xFF-poisoned on request,
-              i.e. NaN for bf16/f32, so a read-before-write shows up);
+              i.e. NaN for bf16/f32, so a read-before-write shows up); a flagged one
+              (compiler/flags.py) is u64 words [..., N/2] of a bf16 pair and its epoch, which
+              read() strips and write() refuses (only the kernel writes epochs);
   counters    int64 [num_counters], zero once and then monotonic (backends/base.py);
   error/abort the watchdog's report (codegen.ERROR_FIELDS) and the stop-everyone flag;
   instrs, lengths, op_params: uploaded once;
@@ -129,6 +131,9 @@ class CudaExecutor:
         self._ptr_table = None
 
     def write(self, name: str, value: torch.Tensor) -> None:
+        if self._lookup(name)[1].flagged:
+            raise MpkError(f"tensor '{name}' is a flagged activation: only the kernel writes it "
+                           f"(its readers wait for each word's epoch)")
         target = self.tensor(name)
         if tuple(value.shape) != tuple(target.shape):
             raise MpkError(f"write to tensor '{name}': expected shape {tuple(target.shape)}, got "
@@ -136,6 +141,10 @@ class CudaExecutor:
         target.copy_(value)
 
     def read(self, name: str) -> torch.Tensor:
+        spec = self._lookup(name)[1]
+        if spec.flagged:  # the low 32 bits of each word: the bf16 pair
+            pairs = (self.tensor(name) & 0xFFFFFFFF).to(torch.int32)
+            return pairs.view(torch.bfloat16).reshape(spec.shape).to("cpu", copy=True)
         return self.tensor(name).detach().to("cpu", copy=True)
 
     def run(self, num_steps: int = 1) -> None:
@@ -200,7 +209,8 @@ class CudaExecutor:
 
     # ---- extras ----------------------------------------------------------------------------
     def tensor(self, name: str) -> torch.Tensor:
-        """The device tensor behind `name` (bound tensor or arena view), no copy."""
+        """The device tensor behind `name` (bound tensor or arena view), no copy; a flagged
+        activation's is its int64 words [..., N/2] (read() gives the values)."""
         tid, spec = self._lookup(name)
         if tid in self._bound:
             return self._bound[tid]
@@ -224,14 +234,14 @@ class CudaExecutor:
         return tid, self.plan.tensors[tid]
 
     def _arena_view(self, t: PlanTensor) -> torch.Tensor:
-        dtype = DType(t.dtype)
-        nbytes = dtype.itemsize
-        for d in t.shape:
-            nbytes *= d
+        nbytes = t.device_nbytes
         if t.offset % 16 or t.offset + nbytes > self.plan.arena_bytes:
             raise MpkError(f"tensor '{t.name}': arena offset {t.offset} (+{nbytes} bytes) is "
                            f"misaligned or outside the arena ({self.plan.arena_bytes} bytes)")
-        return self.arena[t.offset:t.offset + nbytes].view(dtype.torch).view(t.shape)
+        raw = self.arena[t.offset:t.offset + nbytes]
+        if t.flagged:
+            return raw.view(torch.int64).view(*t.shape[:-1], t.shape[-1] // 2)
+        return raw.view(DType(t.dtype).torch).view(t.shape)
 
     def _stream(self, op_index: int) -> torch.Tensor:
         """The op's weight stream, built from its bound sources (cached per binding)."""

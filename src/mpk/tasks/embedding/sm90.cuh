@@ -6,10 +6,12 @@
 // the full stride `hidden`); tokens and prompt are unsplit (pointer = base).
 // tokens / prompt are activations (written by argmax_reduce / the host): L2-coherent loads. The
 // table is read with L2-coherent loads too (it is not flagged weight=True).
+// A flagged out (compiler/flags.py) gets one 64-bit word per pair of columns, with its epoch.
 #pragma once
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "../common/flags.cuh"
 #include "../common/memory.cuh"
 
 namespace mpk::kinds::embedding {
@@ -22,6 +24,12 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   const int* prompt = a.operand<const int>(O_PROMPT);
   const bf16* table = a.operand<const bf16>(O_TABLE);
   bf16* out = a.operand<bf16>(O_OUT);
+  const uint32_t ep = dev::flag_epoch(a, O_OUT);
+  // Flagged: out's words, at column h0 (the element offset halved: h0 and H are even).
+  dev::flag_word* words = ep ? reinterpret_cast<dev::flag_word*>(a.base[O_OUT]) +
+                                   (reinterpret_cast<bf16*>(out) -
+                                    reinterpret_cast<bf16*>(a.base[O_OUT])) / 2
+                             : nullptr;
   const bool vec = (TH % 8 == 0) && (H % 8 == 0) && dev::aligned16(table) && dev::aligned16(out);
   // Threads split the (row, column) space; each row's token is looked up per element group (the
   // loads hit the same L2 line, and B is small).
@@ -36,10 +44,18 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
       }
       tok = min(max(tok, 0), V - 1);
       const uint4 val = dev::ld_act_v4(table + (long long)tok * H + v * 8);
-      *reinterpret_cast<uint4*>(out + (long long)b * H + v * 8) = val;
+      if (ep) {
+        dev::flag_word* w = words + ((long long)b * H + v * 8) / 2;
+        dev::st_flag2(w, dev::make_flag_word(val.x, ep), dev::make_flag_word(val.y, ep));
+        dev::st_flag2(w + 2, dev::make_flag_word(val.z, ep), dev::make_flag_word(val.w, ep));
+      } else {
+        *reinterpret_cast<uint4*>(out + (long long)b * H + v * 8) = val;
+      }
     }
   } else {
-    for (int idx = threadIdx.x; idx < B * TH; idx += NUM_THREADS) {
+    // Flagged: a thread writes the word of its pair (even h), loading both elements.
+    const int step = ep ? 2 : 1;
+    for (int idx = threadIdx.x * step; idx < B * TH; idx += NUM_THREADS * step) {
       const int b = idx / TH, h = idx - b * TH;
       int tok = dev::ld_act_i32(tokens + b);
       if (prompt != nullptr && a.step < prompt_steps) {
@@ -48,7 +64,12 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
       }
       tok = min(max(tok, 0), V - 1);
       const uint32_t bits = dev::ld_act_u16(table + (long long)tok * H + h);
-      out[(long long)b * H + h] = __ushort_as_bfloat16(static_cast<unsigned short>(bits));
+      if (ep) {
+        const uint32_t hi = dev::ld_act_u16(table + (long long)tok * H + h + 1);
+        dev::st_flag(words + ((long long)b * H + h) / 2, dev::make_flag_word(bits | hi << 16, ep));
+      } else {
+        out[(long long)b * H + h] = __ushort_as_bfloat16(static_cast<unsigned short>(bits));
+      }
     }
   }
 }

@@ -61,6 +61,10 @@ class Embedding(TaskKind):
                 "tile_h": op.tile_shape("out")[1],
                 "prompt_steps": op.shape("prompt")[0] if op.has("prompt") else 0}
 
+    def flag_operands(self, op: OpView) -> frozenset[str]:
+        # Whole bf16 pairs: tiles of an even width (each starts at a multiple of its width).
+        return frozenset({"out"}) if op.tile_shape("out")[1] % 2 == 0 else frozenset()
+
     def reference(self, tile: Tile) -> None:
         tokens = select_tokens(tile).clamp(0, tile["table"].shape[0] - 1)
         tile["out"].copy_(tile["table"][tokens])

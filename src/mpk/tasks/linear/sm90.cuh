@@ -40,6 +40,9 @@
 // the pair), as the reference rounds them (rmsnorm: bf16 values of numerics.rmsnorm_rows). The
 // row stride (64 mod 128 bytes) spreads a quarter-warp's 16-byte reads over all banks. Several
 // chunks (large K x batch) add each chunk's sums into fp32 `acc`.
+// Flagged x / residual / out (compiler/flags.py, common/flags.cuh): x is polled into place
+// instead of copied, the residual's word checked for its epoch after the walk, outputs written as
+// one word per pair of columns (every epilogue writes pairs).
 // Epilogues: plain (round to out's dtype, + residual rounded again for bf16), silu_mul (stream rows
 // r < 4 are gate, r + 4 up: lanes t and t ^ 2, paired by a shuffle), argmax (each output's key goes
 // into a shared 64-bit atomicMax: value-ordered, ties to the lowest index, NaN first;
@@ -49,6 +52,7 @@
 #include <stdint.h>
 
 #include "../common/bf16.cuh"
+#include "../common/flags.cuh"
 #include "../common/memory.cuh"
 #include "../common/reduce.cuh"
 #include "../common/runs.cuh"
@@ -82,6 +86,10 @@ struct Task {
   const int* pos;     // positions [B]
   const int* runs;    // runs [B, RUN_WORDS] (tasks/runs.py), or null: every row alone
   int step;
+  // Epochs of the flagged operands (common/flags.cuh; 0: plain), and what a poll needs.
+  uint32_t x_ep, res_ep, out_ep;
+  const int* abort;
+  int task;
 };
 
 // Shared scratch: [xs: B (wide: 16) rows of XS bf16][part: 2 x kWarps x 8 x 16 f32]
@@ -140,39 +148,66 @@ __device__ __forceinline__ unsigned long long rank_key(const Scratch& s, int b, 
   return dev::argmax_key(y, n);
 }
 
-// ---- epilogue of one output --------------------------------------------------------------------
-// Plain: write out[b][n] from the fp32 sum (+ the residual, resid_bits' raw bits); returns the
-// stored value (for argmax).
-__device__ __forceinline__ float store_plain(const Task& t, int b, int n, float sum,
-                                             unsigned resid_bits) {
+// ---- epilogue: outputs in pairs of columns (n, n + 1; n even), a flagged output's words --------
+
+// Plain: the value out[b][n] stores from the fp32 sum and the residual (rounded to bf16 unless
+// out is f32; argmax ranks it).
+__device__ __forceinline__ float plain_value(const Task& t, float sum, float resid) {
+  if (t.f32) return t.res ? __fadd_rn(sum, resid) : sum;
+  const float y = dev::round_bf16(sum);
+  return t.res ? dev::round_bf16(__fadd_rn(y, resid)) : y;
+}
+__device__ __forceinline__ float silu_value(float gate, float up) {
+  return dev::silu_mul_f32(dev::round_bf16(gate), dev::round_bf16(up));
+}
+
+// Write out[b][n], out[b][n + 1] (the second only when n + 1 < n1: N may be odd unless flagged).
+__device__ __forceinline__ void store_out(const Task& t, int b, int n, float y0, float y1) {
   const long long off = (long long)b * t.N + n;
-  const float resid = t.f32 ? __uint_as_float(resid_bits) : dev::bf16lo(resid_bits);
-  if (t.f32) {
-    const float y = t.res ? __fadd_rn(sum, resid) : sum;
-    static_cast<float*>(t.out)[off] = y;
-    return y;
+  if (t.out_ep) {
+    dev::st_flag(static_cast<dev::flag_word*>(t.out) + off / 2,
+                 dev::make_flag_word(dev::pack_bf16x2(y0, y1), t.out_ep));
+  } else if (t.f32) {
+    static_cast<float*>(t.out)[off] = y0;
+    if (n + 1 < t.n1) static_cast<float*>(t.out)[off + 1] = y1;
+  } else {
+    static_cast<bf16*>(t.out)[off] = dev::to_bf16(y0);
+    if (n + 1 < t.n1) static_cast<bf16*>(t.out)[off + 1] = dev::to_bf16(y1);
   }
-  float y = dev::round_bf16(sum);
-  if (t.res) y = __fadd_rn(y, resid);
-  const bf16 stored = dev::to_bf16(y);
-  static_cast<bf16*>(t.out)[off] = stored;
-  return __bfloat162float(stored);
 }
 
-__device__ __forceinline__ void store_silu(const Task& t, int b, int n, float gate, float up) {
-  const float v = dev::silu_mul_f32(dev::round_bf16(gate), dev::round_bf16(up));
-  static_cast<bf16*>(t.out)[(long long)b * t.N + n] = dev::to_bf16(v);
-}
-
-// The residual's raw bits (f32, or bf16 zero-extended), which store_plain converts: no
-// instruction uses them before the epilogue, so the L2 round trip runs under the walk.
-// (Converted here, each load's bf16 -> f32 shift came right after it and the warp waited for
-// every residual before its walk: o_proj and down spent ~0.6 us from the input mark to the
-// walk, scripts/phase_spread.py; perf-log, thirteenth session.)
-__device__ __forceinline__ unsigned load_resid(const Task& t, int b, int n) {
+// The residual pair's raw words, loaded before the walk and used only after it, so the L2 round
+// trip runs under the walk (a conversion right after each load made the warp wait for it:
+// perf-log, thirteenth session). Plain: each element's bits (f32, or bf16 zero-extended);
+// flagged: the word's pair and its epoch.
+__device__ __forceinline__ void load_resid(const Task& t, int b, int n, unsigned& w0, unsigned& w1) {
   const long long off = (long long)b * t.N + n;
-  return t.f32 ? dev::ld_act_u32(static_cast<const float*>(t.resid) + off)
-               : dev::ld_act_u16(static_cast<const bf16*>(t.resid) + off);
+  if (t.res_ep) {
+    const dev::flag_word w = dev::ld_flag(static_cast<const dev::flag_word*>(t.resid) + off / 2);
+    w0 = dev::word_pair(w);
+    w1 = dev::word_epoch(w);
+  } else if (t.f32) {
+    w0 = dev::ld_act_u32(static_cast<const float*>(t.resid) + off);
+    w1 = n + 1 < t.n1 ? dev::ld_act_u32(static_cast<const float*>(t.resid) + off + 1) : 0u;
+  } else {
+    w0 = dev::ld_act_u16(static_cast<const bf16*>(t.resid) + off);
+    w1 = n + 1 < t.n1 ? dev::ld_act_u16(static_cast<const bf16*>(t.resid) + off + 1) : 0u;
+  }
+}
+// load_resid's words as the two residual values (a flagged word polled until it carries its epoch).
+__device__ __forceinline__ void resid_values(const Task& t, int b, int n, unsigned w0, unsigned w1,
+                                             float& r0, float& r1) {
+  if (t.res_ep) {
+    const dev::Poll poll{t.abort, t.task};
+    const long long off = (long long)b * t.N + n;
+    const unsigned pair = dev::poll_word(static_cast<const dev::flag_word*>(t.resid) + off / 2,
+                                         dev::make_flag_word(w0, w1), t.res_ep, poll);
+    r0 = dev::bf16lo(pair);
+    r1 = dev::bf16hi(pair);
+  } else {
+    r0 = t.f32 ? __uint_as_float(w0) : dev::bf16lo(w0);
+    r1 = t.f32 ? __uint_as_float(w1) : dev::bf16lo(w1);
+  }
 }
 
 // Output column of stream row r (task-local) for the plain epilogue.
@@ -200,22 +235,48 @@ __device__ __forceinline__ void stage_vec(const Task& t, const Scratch& s, int b
     *reinterpret_cast<uint4*>(landing(s, b, v)) = make_uint4(0u, 0u, 0u, 0u);
 }
 
+// Flagged x: every vector of the staged rows polled into place, natural order, zeros as
+// stage_vec. One vector a thread at a time: more in flight spilled (the whole task's state is
+// live here); a thread has at most two at batch 1 up to K = 4,096.
+__device__ __forceinline__ void poll_stage(const Task& t, const Scratch& s, int k0, int vpr,
+                                           int vfill) {
+  const int total = staged_rows(t) * vfill;
+  const dev::Poll poll{t.abort, t.task};
+  for (int idx = threadIdx.x; idx < total; idx += NUM_THREADS) {
+    const int r = idx / vfill, c = idx - r * vfill;
+    uint4 val = make_uint4(0u, 0u, 0u, 0u);
+    if (r < t.B && c < vpr) {
+      const dev::flag_word* w = reinterpret_cast<const dev::flag_word*>(t.x) +
+                                (unsigned)(r * (t.K >> 1) + ((k0 + c * 8) >> 1));
+      dev::Poll8 v;
+      dev::poll8_issue(w, v);
+      val = dev::poll8_finish(w, v, t.x_ep, poll);
+    }
+    *reinterpret_cast<uint4*>(landing(s, r, c)) = val;
+  }
+}
+
 // Copy x[b][k0, k0+kc) of every row into place with cp.async, zeros for k in [kc, kfill) and,
 // wide, for rows past B (a thread copies vector v of rows r and r + 8: two coalesced warp
 // copies). `permute`: each thread then puts the vectors it copied into A-fragment order (no
-// barrier needed: its own copies); without it (rmsnorm) they stay natural for the norm pass.
-// Ends with a barrier.
+// barrier needed: its own copies; a flagged x is polled in another order, then a barrier);
+// without it (rmsnorm) they stay natural for the norm pass. Ends with a barrier.
 __device__ __forceinline__ void stage_raw(const Task& t, const Scratch& s, int k0, int kc,
                                           int kfill, bool permute) {
   const int tid = threadIdx.x;
   const int vpr = kc / 8, vfill = kfill / 8, total = pass_rows(t) * vfill;
-  for (int idx = tid; idx < total; idx += NUM_THREADS) {
-    const int r = idx / vfill, v = idx - r * vfill;
-    stage_vec(t, s, r, v, k0, vpr);
-    if (t.wide) stage_vec(t, s, r + kRows, v, k0, vpr);
+  if (t.x_ep) {
+    poll_stage(t, s, k0, vpr, vfill);
+    if (permute) mpk::task_sync();
+  } else {
+    for (int idx = tid; idx < total; idx += NUM_THREADS) {
+      const int r = idx / vfill, v = idx - r * vfill;
+      stage_vec(t, s, r, v, k0, vpr);
+      if (t.wide) stage_vec(t, s, r + kRows, v, k0, vpr);
+    }
+    dev::cp_async_commit();
+    dev::cp_async_wait_all();
   }
-  dev::cp_async_commit();
-  dev::cp_async_wait_all();
   if (permute) {
     for (int idx = tid; idx < total; idx += NUM_THREADS) {
       const int r = idx / vfill, v = idx - r * vfill;
@@ -429,69 +490,106 @@ __device__ __forceinline__ void walk(const Task& t, const Scratch& s, mpk::PageC
 __device__ __forceinline__ int batch_of(int j, int g) { return (j >> 1) * 8 + g; }
 __device__ __forceinline__ int row_of(int j, int tq) { return 2 * tq + (j & 1); }
 
-// Residual values a lane (own blocks) or a thread (shared blocks) will add, loaded before the
-// block's MMAs so the L2 round trip overlaps them (raw bits: load_resid). Unused slots hold 0.
+// Residual words a lane (own blocks) or a thread (shared blocks) will add, loaded before the
+// block's MMAs so the L2 round trip overlaps them (load_resid). Unused slots hold 0.
+// Own blocks: r[2h], r[2h + 1] are the pair (batch g + 8h, stream rows 2t, 2t + 1).
 __device__ __forceinline__ void prefetch_own(const Task& t, int rg, unsigned (&r)[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int b = batch_of(j, g), n = out_col(t, rg, row_of(j, tq));
-    r[j] = (t.res && b < t.B && n < t.n1) ? load_resid(t, b, n) : 0u;
+  for (int h = 0; h < 2; ++h) {
+    const int b = g + 8 * h, n = out_col(t, rg, 2 * tq);
+    r[2 * h] = r[2 * h + 1] = 0u;
+    if (t.res && b < t.B && n < t.n1) load_resid(t, b, n, r[2 * h], r[2 * h + 1]);
   }
 }
 
 // A block of 8 row groups: this warp owns row group `rg` (task-local); write or accumulate.
-__device__ __forceinline__ void finish_own(const Task& t, const Scratch& s, int rg,
-                                           const float (&r)[4], const unsigned (&resid)[4], int ch,
-                                           unsigned long long (&best)[4]) {
+// A lane's outputs j are (batch g + 8h, stream row 2t + e) for j = 2h + e: two pairs.
+// A warp's best keys (argmax: a lane's best[2h + e], batch row g + 8h) into the task's s.best:
+// per block, so no key stays live in registers across the next block's staging and walk.
+__device__ __forceinline__ void merge_best(const Task& t, const Scratch& s,
+                                           const unsigned long long (&best)[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-  const bool last = ch == t.nch - 1;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int b = batch_of(j, g), row = row_of(j, tq);
-    float v = r[j];
-    if (t.nch > 1) {  // this warp alone owns these accumulator rows
-      float* slot = s.acc + (rg * kRows + row) * t.B + min(b, t.B - 1);
-      if (ch > 0 && b < t.B) v += *slot;
-      if (!last) {
-        if (b < t.B) *slot = v;
-        continue;
-      }
+  for (int h = 0; h < 2; ++h) {  // batch row g + 8h: its keys are on the lanes t = 0..3 of g
+    unsigned long long key = best[2 * h] > best[2 * h + 1] ? best[2 * h] : best[2 * h + 1];
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      const unsigned long long o = __shfl_xor_sync(0xffffffffu, key, off);
+      if (o > key) key = o;
     }
-    if (t.silu) {
-      const float up = __shfl_xor_sync(0xffffffffu, v, 2);  // stream row + 4: lane t + 2
-      const int n = t.n0 + rg * 4 + row;
-      if (row < 4 && b < t.B && n < t.n1) store_silu(t, b, n, v, up);
-      continue;
-    }
-    const int n = out_col(t, rg, row);
-    if (b < t.B && n < t.n1) {
-      const float y = store_plain(t, b, n, v, resid[j]);
-      if (t.argmax) {
-        const unsigned long long key = rank_key(s, b, y, n);
-        if (key > best[j]) best[j] = key;
-      }
-    }
+    const int b = g + 8 * h;
+    if (tq == 0 && b < t.B && key != 0ull) atomicMax(s.best + b, key);
   }
 }
 
-// Outputs of a shared block handled by this thread: idx = tid + NUM_THREADS * i, i < 2, over
-// (row-group-local row r, batch b) for plain outputs (nb*8*B), or (r < 4 pairs) for silu_mul.
-__device__ __forceinline__ int shared_outputs(const Task& t, int nb) {
-  return nb * (t.silu ? 4 : kRows) * t.B;
+__device__ __forceinline__ void finish_own(const Task& t, const Scratch& s, int rg,
+                                           const float (&r)[4], const unsigned (&resid)[4], int ch) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  float v[4] = {r[0], r[1], r[2], r[3]};
+  if (t.nch > 1) {  // this warp alone owns these accumulator rows
+    const bool last = ch == t.nch - 1;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int b = batch_of(j, g);
+      float* slot = s.acc + (rg * kRows + row_of(j, tq)) * t.B + min(b, t.B - 1);
+      if (ch > 0 && b < t.B) v[j] += *slot;
+      if (!last && b < t.B) *slot = v[j];
+    }
+    if (!last) return;  // uniform
+  }
+  if (t.silu) {  // stream rows r < 4 are gate, r + 4 up (lane t + 2): lanes t < 2 write pairs
+    float up[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) up[j] = __shfl_xor_sync(0xffffffffu, v[j], 2);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int b = g + 8 * h, n = t.n0 + rg * 4 + 2 * tq;
+      if (tq < 2 && b < t.B && n < t.n1)
+        store_out(t, b, n, silu_value(v[2 * h], up[2 * h]), silu_value(v[2 * h + 1], up[2 * h + 1]));
+    }
+    return;
+  }
+  unsigned long long best[4] = {0ull, 0ull, 0ull, 0ull};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int b = g + 8 * h, n = out_col(t, rg, 2 * tq);
+    if (b >= t.B || n >= t.n1) continue;
+    float r0 = 0.f, r1 = 0.f;
+    if (t.res) resid_values(t, b, n, resid[2 * h], resid[2 * h + 1], r0, r1);
+    const float y0 = plain_value(t, v[2 * h], r0), y1 = plain_value(t, v[2 * h + 1], r1);
+    store_out(t, b, n, y0, y1);
+    if (t.argmax) {
+      const unsigned long long k0 = rank_key(s, b, y0, n);
+      const unsigned long long k1 = n + 1 < t.n1 ? rank_key(s, b, y1, n + 1) : 0ull;
+      if (k0 > best[2 * h]) best[2 * h] = k0;
+      if (k1 > best[2 * h + 1]) best[2 * h + 1] = k1;
+    }
+  }
+  if (t.argmax) merge_best(t, s, best);
+}
+
+// Output pairs of a shared block, one per thread: idx = tid over (row-group-local pair p, batch
+// b): rows 2p, 2p + 1 (plain: nb * 4 * B pairs; silu_mul: its 4 gate rows, nb * 2 * B).
+__device__ __forceinline__ int shared_pairs(const Task& t, int nb) {
+  return nb * (t.silu ? 2 : kRows / 2) * t.B;
+}
+static_assert(4 * (kRows / 2) * kMaxB <= NUM_THREADS, "a shared block (nb <= 4) has a pair a thread");
+
+// Row-group-local row (even) and batch of this thread's pair.
+__device__ __forceinline__ void shared_pair(const Task& t, int idx, int& row, int& b) {
+  b = idx % t.B;
+  row = 2 * (idx / t.B);
 }
 
 __device__ __forceinline__ void prefetch_shared(const Task& t, int rg0, int nb,
                                                 unsigned (&r)[2]) {
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int idx = threadIdx.x + NUM_THREADS * i;
-    r[i] = 0u;
-    if (!t.res || t.silu || idx >= shared_outputs(t, nb)) continue;
-    const int b = idx % t.B, row = idx / t.B;
-    const int n = out_col(t, rg0 + row / kRows, row % kRows);
-    if (n < t.n1) r[i] = load_resid(t, b, n);
-  }
+  r[0] = r[1] = 0u;
+  if (!t.res || t.silu || (int)threadIdx.x >= shared_pairs(t, nb)) return;
+  int row, b;
+  shared_pair(t, threadIdx.x, row, b);
+  const int n = out_col(t, rg0 + row / kRows, row % kRows);
+  if (n < t.n1) load_resid(t, b, n, r[0], r[1]);
 }
 
 // Sum of the block's partials for (row group rgl of the block, row g, batch b), in warp order:
@@ -513,39 +611,47 @@ __device__ __forceinline__ void finish_shared(const Task& t, const Scratch& s, i
 #pragma unroll
   for (int j = 0; j < 4; ++j) mine[row_of(j, tq) * kMaxB + batch_of(j, g)] = part[j];
   mpk::task_sync();
-  const bool last = ch == t.nch - 1;
+  if (tid >= shared_pairs(t, nb)) return;
+  int row, b;
+  shared_pair(t, tid, row, b);
+  const int rows_per_rg = t.silu ? 4 : kRows;
+  const int rgl = row / rows_per_rg, r = row % rows_per_rg, rg = rg0 + rgl;
+  float v[2], up[2] = {0.f, 0.f};
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int idx = tid + NUM_THREADS * i;
-    if (idx >= shared_outputs(t, nb)) continue;
-    const int b = idx % t.B, row = idx / t.B;
-    const int rows_per_rg = t.silu ? 4 : kRows;
-    const int rgl = row / rows_per_rg, r = row % rows_per_rg;
-    const int rg = rg0 + rgl;
-    float v = reduce_part(s, buf, u0, nb, rgl, r, b);
-    float up = t.silu ? reduce_part(s, buf, u0, nb, rgl, r + 4, b) : 0.f;
-    if (t.nch > 1) {
-      float* slot = s.acc + (rg * kRows + r) * t.B + b;
+  for (int e = 0; e < 2; ++e) {
+    v[e] = reduce_part(s, buf, u0, nb, rgl, r + e, b);
+    if (t.silu) up[e] = reduce_part(s, buf, u0, nb, rgl, r + 4 + e, b);
+  }
+  if (t.nch > 1) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float* slot = s.acc + (rg * kRows + r + e) * t.B + b;
       float* slot_up = slot + 4 * t.B;
       if (ch > 0) {
-        v += *slot;
-        if (t.silu) up += *slot_up;
+        v[e] += *slot;
+        if (t.silu) up[e] += *slot_up;
       }
-      if (!last) {
-        *slot = v;
-        if (t.silu) *slot_up = up;
-        continue;
+      if (ch < t.nch - 1) {
+        *slot = v[e];
+        if (t.silu) *slot_up = up[e];
       }
     }
-    if (t.silu) {
-      const int n = t.n0 + rg * 4 + r;
-      if (n < t.n1) store_silu(t, b, n, v, up);
-      continue;
-    }
-    const int n = out_col(t, rg, r);
-    if (n >= t.n1) continue;
-    const float y = store_plain(t, b, n, v, resid[i]);
-    if (t.argmax) atomicMax(s.best + b, rank_key(s, b, y, n));
+    if (ch < t.nch - 1) return;
+  }
+  if (t.silu) {
+    const int n = t.n0 + rg * 4 + r;
+    if (n < t.n1) store_out(t, b, n, silu_value(v[0], up[0]), silu_value(v[1], up[1]));
+    return;
+  }
+  const int n = out_col(t, rg, r);
+  if (n >= t.n1) return;
+  float r0 = 0.f, r1 = 0.f;
+  if (t.res) resid_values(t, b, n, resid[0], resid[1], r0, r1);
+  const float y0 = plain_value(t, v[0], r0), y1 = plain_value(t, v[1], r1);
+  store_out(t, b, n, y0, y1);
+  if (t.argmax) {
+    atomicMax(s.best + b, rank_key(s, b, y0, n));
+    if (n + 1 < t.n1) atomicMax(s.best + b, rank_key(s, b, y1, n + 1));
   }
 }
 
@@ -579,6 +685,11 @@ __device__ __forceinline__ Task task_of(const mpk::TaskArgs& a) {
   t.resid = t.res ? reinterpret_cast<const void*>(a.base[O_RESIDUAL]) : nullptr;
   t.pval = a.operand<float>(O_PART_VAL);
   t.pidx = a.operand<int>(O_PART_IDX);
+  t.x_ep = dev::flag_epoch(a, O_X);
+  t.res_ep = dev::flag_epoch(a, O_RESIDUAL);
+  t.out_ep = dev::flag_epoch(a, O_OUT);
+  t.abort = a.abort;
+  t.task = a.rec[REC_TASK];
   return t;
 }
 
@@ -604,20 +715,7 @@ __device__ __forceinline__ void stage_chunk(const Task& t, const Scratch& s, con
   normalize(t, s, nw, k0, kc);
 }
 
-__device__ __forceinline__ void write_argmax(const Task& t, const Scratch& s,
-                                             unsigned long long (&best)[4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {  // batch row g + 8h: its keys are on the lanes t = 0..3 of g
-    unsigned long long key = best[2 * h] > best[2 * h + 1] ? best[2 * h] : best[2 * h + 1];
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      const unsigned long long o = __shfl_xor_sync(0xffffffffu, key, off);
-      if (o > key) key = o;
-    }
-    const int b = g + 8 * h;
-    if (tq == 0 && b < t.B && key != 0ull) atomicMax(s.best + b, key);
-  }
+__device__ __forceinline__ void write_argmax(const Task& t, const Scratch& s) {
   mpk::task_sync();
   const int tid = threadIdx.x;
   if (tid < t.B) {
@@ -660,7 +758,6 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
     }
   }
   const int pbase = t.rms ? 1 : 0;
-  unsigned long long best[4] = {0ull, 0ull, 0ull, 0ull};
   int u0 = 0, buf = 0;
   for (int ch = 0; ch < t.nch; ++ch) {
     stage_chunk(t, s, nw, ch);
@@ -679,7 +776,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
           prefetch_own(t, rg, resid);
           walk(t, s, pc, pbase, u0, nb, nk, r);
           a.mark(1);  // profiling: warp 0's walk of this block is done (the last block's stays)
-          finish_own(t, s, rg, r, resid, ch, best);
+          finish_own(t, s, rg, r, resid, ch);
         } else {
           unsigned resid[2];
           prefetch_shared(t, rg0, nb, resid);
@@ -695,7 +792,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
     if (ch + 1 < t.nch) mpk::task_sync();
   }
   pc.finish();
-  if (t.argmax) write_argmax(t, s, best);
+  if (t.argmax) write_argmax(t, s);
 }
 
 }  // namespace mpk::kinds::linear

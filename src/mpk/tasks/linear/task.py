@@ -206,6 +206,13 @@ class Linear(TaskKind):
             op.expect_unsplit("norm_weight", 0)
 
     # ---- geometry and the CUDA side -----------------------------------------------------------
+    def flag_operands(self, op: OpView) -> frozenset[str]:
+        # Outputs are written in pairs of adjacent columns (sm90.cuh), after the walk: every read
+        # of the task (x, the residual) is done by then.
+        if op.attrs["epilogue"] == "argmax":
+            return frozenset({"x"})
+        return frozenset({"x", "residual", "out"})
+
     def shape_of(self, op: OpView) -> geo.LinearShape:
         wshape = op.shape("weight")
         return geo.LinearShape(n=wshape[-2], k=wshape[-1], tasks=op.grid[0],

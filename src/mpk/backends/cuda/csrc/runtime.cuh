@@ -18,6 +18,8 @@
 //              depend on activations;
 //   storer     (one lane of STORER_WARP) waits until the consumers finish a record, fences and
 //              release-adds its signal counters, and frees the slot.
+// Waits a record marks POLLED (compiler/flags.py) are skipped by the controller: the task polls
+// the producers' flagged data itself, and the storer is its watchdog.
 // Hand-offs are mbarriers (parity waits; every role walks the same records in the same order):
 //   slot s:  loaded (fetcher -> controller, loader, consumers' prologue), ready (controller ->
 //            consumers),
@@ -87,7 +89,8 @@ struct __align__(16) Slot {
   unsigned long long t_wait, t_run;           // profiling stamps
   int step, index, stop, bad_kind;
   uint32_t page_seq;                          // ring sequence number of the record's page 0
-  int pad[3];
+  uint32_t gstep;                             // global step, low 32 bits (flag epochs)
+  int pad[2];
   // Profiling stamps, placed last so t_wait keeps the offset scripts/probe_phases.py patches.
   unsigned long long t_ready, t_done;
   unsigned long long t_mark[2];               // the kind's INPUT and COMPUTE marks
@@ -136,15 +139,28 @@ __device__ __forceinline__ bool wait_unless_gone(uint32_t bar, uint32_t parity, 
   return true;
 }
 
-// Note where this CTA stopped, so the host can tell the root cause of a hang from the CTAs that
-// were merely waiting behind it.
+// Where this CTA stopped: its EARLIEST record that did not complete (the controller may stop at
+// a later wait after the storer found an earlier record's polls gave up, or the reverse), so the
+// host can tell the root cause of a hang from the CTAs that were merely waiting behind it. The
+// controller and the storer both record stops: a lock in shared memory orders them.
+__shared__ int stop_lock;
+
 __device__ __forceinline__ void record_stop(const Params& p, int status, int sm, int index, int s,
                                             int wait) {
   int* st = p.sm_state + sm * SMS_WORDS;
-  st[SMS_INDEX] = index;
-  st[SMS_STEP] = s;
-  st[SMS_WAIT] = wait;
-  st[SMS_STATUS] = status;
+  while (atomicCAS(&stop_lock, 0, 1) != 0) {
+  }
+  __threadfence_block();
+  const bool earlier = st[SMS_STATUS] == 0 || s < st[SMS_STEP] ||
+                       (s == st[SMS_STEP] && index < st[SMS_INDEX]);
+  if (earlier) {
+    st[SMS_INDEX] = index;
+    st[SMS_STEP] = s;
+    st[SMS_WAIT] = wait;
+    st[SMS_STATUS] = status;
+  }
+  __threadfence_block();
+  atomicExch(&stop_lock, 0);
 }
 
 // Controller lane 0: satisfy every wait of `rec` for local step s. False when this CTA must stop
@@ -154,6 +170,7 @@ __device__ __forceinline__ bool wait_record(const Params& p, const int* rec, int
   const long long g = p.step_begin + s;
   const int n = rec[REC_NUM_WAITS];
   for (int w = 0; w < n; ++w) {
+    if ((rec[REC_POLLED] >> w) & 1) continue;  // the task polls the producers' data itself
     const int* wt = rec + REC_WAITS + w * REC_WAIT_STRIDE;
     const int c = wt[0];
     const unsigned long long target =
@@ -224,6 +241,7 @@ __device__ __forceinline__ void fetcher(const Params& p, Shared& sh, const int* 
     fill_slot(p, slot, list + (long long)i * REC_WORDS, lane);
     if (lane == 0) {
       slot.step = s;
+      slot.gstep = (uint32_t)(p.step_begin + s);
       slot.index = i;
       slot.stop = 0;
       const int kind = slot.rec[REC_KIND];
@@ -326,14 +344,57 @@ __device__ __forceinline__ void profile_record(const Params& p, const Slot& slot
 }
 #endif
 
+// A record whose consumers poll flagged data (record POLLED waits) stopped there: they ran past
+// the watchdog after its counted waits were met, or gave up when the launch stopped. The CTA's
+// stop is this record's first polled wait, whose producers never delivered what it polled
+// (diagnose.py follows that counter's producers); `report` also raises the failure (a no-op when
+// another CTA's came first).
+__device__ __forceinline__ void stop_polled(const Params& p, const Slot& slot, int sm, bool report) {
+  int w = 0;
+  while (w < REC_MAX_WAITS - 1 && !((slot.rec[REC_POLLED] >> w) & 1)) ++w;
+  record_stop(p, SMS_STATUS_POLL, sm, slot.index, slot.step, w);
+  if (!report) return;
+  const int* wt = slot.rec + REC_WAITS + w * REC_WAIT_STRIDE;
+  const long long g = p.step_begin + slot.step;
+  const unsigned long long target =
+      (unsigned long long)(g + 1 - wt[2]) * (unsigned long long)(unsigned)wt[1];
+  report_failure(p.error, p.abort_flag, ERR_CODE_TIMEOUT, sm, slot.rec, slot.index, wt[0],
+                 ptx::ld_relaxed_u64(p.counters + wt[0]), target, g);
+}
+
+// The storer's wait for a record's consumers. A record that polls flagged data has no counter
+// wait the controller could time out on for those producers, so the watchdog is here: once the
+// record is ready, its consumers get timeout_ns to finish, else it is reported as stuck and the
+// launch stops (their polls then give up). False once the consumers have left after a stop.
+__device__ __forceinline__ bool wait_done(const Params& p, Shared& sh, const Slot& slot, int sl,
+                                          uint32_t parity, int sm, bool& aborted) {
+  const uint32_t done = ptx::smem_u32(&sh.bars.done[sl]);
+  if (slot.rec[REC_POLLED] == 0 || aborted)
+    return wait_unless_gone(done, parity, &sh.consumers_gone);
+  if (!wait_unless_gone(ptx::smem_u32(&sh.bars.ready[sl]), parity, &sh.consumers_gone))
+    return false;
+  const unsigned long long t0 = ptx::globaltimer();
+  while (!ptx::mbar_try_wait(done, parity)) {
+    if (ptx::ld_acquire_cta(&sh.consumers_gone)) return ptx::mbar_try_wait(done, parity);
+    if (!aborted && ptx::globaltimer() - t0 > (unsigned long long)p.timeout_ns) {
+      stop_polled(p, slot, sm, true);
+      aborted = true;
+    }
+  }
+  return true;
+}
+
 __device__ __forceinline__ void storer(const Params& p, Shared& sh, int total, int sm) {
-  bool aborted = false;
+  bool aborted = false;  // nothing is signalled after this CTA stopped
   for (int k = 0; k < total; ++k) {
     const int sl = (int)(k & (NUM_SLOTS - 1));
     const uint32_t round = (uint32_t)(k / NUM_SLOTS);
-    if (!wait_unless_gone(ptx::smem_u32(&sh.bars.done[sl]), round & 1u, &sh.consumers_gone))
-      return;
     const Slot& slot = sh.slot[sl];
+    if (!wait_done(p, sh, slot, sl, round & 1u, sm, aborted)) return;
+    if (!aborted && gave_up_task == slot.rec[REC_TASK]) {  // its outputs are not to be trusted
+      stop_polled(p, slot, sm, false);
+      aborted = true;
+    }
 #ifdef MPK_TASK_PARAMS
     // A task that waits on its own (the tensor-parallel all-reduce waits for its peers) may have
     // stopped the launch: its consumers must not be signalled for data it never wrote. The
@@ -367,10 +428,11 @@ __device__ __forceinline__ TaskArgs task_args(const Params& p, Shared& sh, Slot&
   const PageCursor pages{ring, ptx::smem_u32(&sh.bars.full[0]), slot.page_seq, npages, -1,
                          p.timeout_ns};
 #ifdef MPK_PROFILE
-  return TaskArgs{slot.rec, slot.params, slot.base, slot.step, scratch, task_params, pages,
-                  slot.t_mark};
+  return TaskArgs{slot.rec, slot.params, slot.base, slot.step, slot.gstep, scratch, task_params,
+                  pages, p.abort_flag, slot.t_mark};
 #else
-  return TaskArgs{slot.rec, slot.params, slot.base, slot.step, scratch, task_params, pages};
+  return TaskArgs{slot.rec, slot.params, slot.base, slot.step, slot.gstep, scratch, task_params,
+                  pages, p.abort_flag};
 #endif
 }
 
@@ -432,6 +494,8 @@ __device__ __forceinline__ void init_barriers(Shared& sh) {
   }
   for (int i = 0; i < SEEN; ++i) sh.seen_ctr[i] = -1;
   sh.consumers_gone = 0;
+  gave_up_task = -1;
+  stop_lock = 0;
   ptx::mbar_init_fence();
 }
 

@@ -11,8 +11,10 @@
 // base    : the device base pointer of every operand slot's tensor (0 when absent), resolved
 //           by the controller before the task starts, in shared memory.
 // step    : the LOCAL decode step inside this launch (0 .. num_steps-1).
+// gstep   : the global step (low 32 bits): the epoch of flagged accesses (common/flags.cuh).
 // smem    : this task's shared-memory scratch (SMEM_BYTES, generated from the plan).
 // p       : the launch's Params, for kinds that declare reads_launch_params (else nullptr).
+// abort   : the launch's stop flag, for kinds that poll flagged data (common/flags.cuh Poll).
 // pages   : the task's weight pages (kinds with a TaskKind.stream_layout): page i holds the
 //           bytes of run-by-run cut i of the task's stream (record STREAM_RUNS). A kind with a
 //           stream copies this cursor, visits its pages, and MUST call finish() on its copy
@@ -34,6 +36,10 @@
 #endif
 
 namespace mpk {
+
+// The task id of a record whose poll of flagged data gave up because the launch was stopping
+// (common/flags.cuh), -1 before: the storer records that record as where this CTA stopped.
+__shared__ int gave_up_task;
 
 // Barrier among the task's NUM_THREADS consumer threads (named barrier 1).
 __device__ __forceinline__ void task_sync() { ptx::named_sync(1, NUM_THREADS); }
@@ -128,9 +134,11 @@ struct TaskArgs {
   const int* params;
   const unsigned long long* base;
   int step;
+  uint32_t gstep;
   char* smem;
   const Params* p;
   PageCursor pages;
+  const int* abort;
 #ifdef MPK_PROFILE
   unsigned long long* marks;  // the record's INPUT and COMPUTE stamps (profiling builds only)
 #endif

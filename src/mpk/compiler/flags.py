@@ -1,0 +1,174 @@
+"""Flagged activations: tensors whose GPU readers poll the data itself instead of a counter.
+
+Through a counter, a producer -> consumer hand-off on the GPU is four dependent trips through L2
+after the producer's last store: its release fence waits for the stores, the counter add
+travels, the consumer's controller polls it, and only then do the consumer's warps load the
+data. When every word of the data carries the epoch of the write that stored it, the consumer
+polls the words it loads anyway and starts as soon as the last one lands (NCCL's low-latency
+protocol; Mirage's megakernel library picks "data as flag" per edge for the same reason).
+
+Device format (the CPU interpreter keeps plain tensors): a flagged bf16 tensor [..., N] is
+stored as u64 words [..., N/2], each a bf16 pair (n even, n + 1) in the low 32 bits and the
+epoch of its write in the high 32, written and read as single 64-bit accesses (single-copy
+atomic), so a reader never sees a pair without its epoch. The epoch of write w (0-based, in
+program order) of a tensor written W times a step, in global step g, is (g * W + w) mod 2^31 + 1:
+never 0 (a zeroed arena) nor 0xFFFFFFFF (a poisoned one).
+
+A tensor is flagged when it is a bf16 ACTIVATION with an even last dim and at most
+FLAG_MAX_BYTES, every op that touches it does so through an operand its kind lists in
+TaskKind.flag_operands (pure reads or pure writes), every write covers the whole tensor, and
+every read follows a write of the same step.
+
+The CUDA controller skips a same-step wait (record.POLLED) of consumer task r of op C on a
+counter of producer op P when, for task r, every conflict with P is either a read of a flagged
+tensor P writes (r polls it) or a write to a tensor P only reads, and the P tasks r depends on
+are all among those whose flagged writes r polls. A flagged write follows all of its task's reads
+(flag_operands' contract), so seeing it also says the task's reads are done. Waits the
+transitive reduction dropped because a skipped wait implied them stay ordered the same way: the
+producer ran after its own waits were met, and the consumer acts only after seeing its writes.
+The records keep every wait: the interpreter, the deadlock simulation and the mutation tests see
+the same dependencies as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpk.compiler import record
+from mpk.compiler.counters import CounterPlan
+from mpk.compiler.tiling import Access1, TiledOp, covers_whole
+from mpk.dtypes import DType
+from mpk.graph.graph import Graph
+from mpk.tasks.base import Access, boxes_overlap
+from mpk.tensors import Role
+
+# Readers load twice the bytes of a flagged tensor (and poll them): past a few tens of KB a
+# reader's load time grows more than the hand-off saves (batch 16's inputs are L2-bound).
+FLAG_MAX_BYTES = 32 * 1024
+_MAX_WRITES = 1 << 12  # W and w each take 12 bits of an entry
+
+
+@dataclass(frozen=True)
+class Flags:
+    tensors: frozenset[str]
+    entries: dict[int, tuple[int, ...]]  # op index -> its FLAG_ENTRIES param words
+    polled: list[int]  # per global task: its record.POLLED mask
+
+
+def encode_entry(slot: int, writes: int, index: int) -> int:
+    """One flag entry: operand slot (+1, so 0 is "unused"), W writes a step, this write's w."""
+    if not (0 <= slot < 255 and 0 < writes < _MAX_WRITES and 0 <= index < writes):
+        raise AssertionError(f"flag entry out of range: slot {slot}, W {writes}, w {index}")
+    return (slot + 1) | (writes << 8) | (index << 20)
+
+
+def epoch(entry: int, step: int) -> int:
+    """The epoch a flagged access of `entry` writes or expects in global step `step`."""
+    writes, index = (entry >> 8) & 0xFFF, (entry >> 20) & 0xFFF
+    return (step * writes + index) % (1 << 31) + 1
+
+
+def plan_flags(graph: Graph, ops: list[TiledOp], counters: CounterPlan) -> Flags:
+    capable = {op.index: op.kind.flag_operands(op.view) for op in ops}
+    tensors = _flagged_tensors(graph, ops, capable)
+    return Flags(tensors, _entries(ops, tensors), _polled(ops, counters, tensors))
+
+
+def _flagged_tensors(graph: Graph, ops: list[TiledOp],
+                     capable: dict[int, frozenset[str]]) -> frozenset[str]:
+    accessors: dict[str, list[tuple[TiledOp, Access1]]] = {}
+    for op in ops:
+        for acc in op.accesses:
+            accessors.setdefault(acc.tensor, []).append((op, acc))
+    chosen = set()
+    for name, accs in accessors.items():
+        spec = graph.tensors[name]
+        if (spec.role is not Role.ACTIVATION or spec.dtype is not DType.BF16
+                or spec.shape[-1] % 2 or spec.nbytes > FLAG_MAX_BYTES):
+            continue
+        if any(acc.operand not in capable[op.index] or acc.access is Access.READ_WRITE
+               for op, acc in accs):
+            continue
+        writers = [op.index for op, acc in accs if acc.access.writes]
+        if not writers or len(writers) >= _MAX_WRITES:
+            continue
+        if not all(covers_whole(acc.boxes, spec.shape) for _, acc in accs if acc.access.writes):
+            continue
+        if all(any(w < op.index for w in writers) for op, acc in accs if acc.access.reads):
+            chosen.add(name)
+    return frozenset(chosen)
+
+
+def _entries(ops: list[TiledOp], tensors: frozenset[str]) -> dict[int, tuple[int, ...]]:
+    writers: dict[str, list[int]] = {}
+    for op in ops:
+        for acc in op.accesses:
+            if acc.tensor in tensors and acc.access.writes:
+                writers.setdefault(acc.tensor, []).append(op.index)
+    entries: dict[int, tuple[int, ...]] = {}
+    for op in ops:
+        words = []
+        for acc in op.accesses:
+            if acc.tensor not in tensors:
+                continue
+            w = writers[acc.tensor]
+            # A read sees the last write before this op (an op that reads and writes a tensor
+            # through two operands, the in-place residual, reads the previous write).
+            index = w.index(op.index) if acc.access.writes else max(
+                i for i, o in enumerate(w) if o < op.index)
+            slot = [s.name for s in op.kind.operands].index(acc.operand)
+            words.append(encode_entry(slot, len(w), index))
+        if len(words) > record.FLAG_ENTRIES:
+            raise AssertionError(f"op {op.op.name} has {len(words)} flagged operands; params "
+                                 f"hold {record.FLAG_ENTRIES}")
+        if words:
+            entries[op.index] = tuple(words + [0] * (record.FLAG_ENTRIES - len(words)))
+    return entries
+
+
+def _polled(ops: list[TiledOp], counters: CounterPlan, tensors: frozenset[str]) -> list[int]:
+    owner: dict[int, int] = {}  # counter -> producer op
+    op_of_task: list[int] = []
+    for op in ops:
+        for local in range(op.num_tasks):
+            for c in counters.signals[op.first_task + local]:
+                owner[c] = op.index
+            op_of_task.append(op.index)
+    pairs: dict[tuple[int, int], np.ndarray] = {}
+    polled = []
+    for task, waits in enumerate(counters.waits):
+        consumer = ops[op_of_task[task]]
+        mask = 0
+        for w, (c, _count, prev) in enumerate(waits):
+            producer = owner[c]
+            if prev or producer == consumer.index:
+                continue
+            key = (producer, consumer.index)
+            if key not in pairs:
+                pairs[key] = _skippable(ops[producer], consumer, tensors)
+            if pairs[key][task - consumer.first_task]:
+                mask |= 1 << w
+        polled.append(mask)
+    return polled
+
+
+def _skippable(producer: TiledOp, consumer: TiledOp, tensors: frozenset[str]) -> np.ndarray:
+    """bool per consumer task: may it skip its counter waits on `producer` (module doc)?"""
+    shape = (consumer.num_tasks, producer.num_tasks)
+    required, observed = np.zeros(shape, dtype=bool), np.zeros(shape, dtype=bool)
+    bad = np.zeros(consumer.num_tasks, dtype=bool)
+    if not tensors:
+        return bad
+    for ap in producer.accesses:
+        for ac in consumer.accesses:
+            if ap.tensor != ac.tensor or not (ap.access.writes or ac.access.writes):
+                continue
+            m = boxes_overlap(ap.boxes, ac.boxes)  # [consumer tasks, producer tasks]
+            required |= m
+            if ap.tensor in tensors and ap.access is Access.WRITE and ac.access is Access.READ:
+                observed |= m
+            elif not (ap.access is Access.READ and ac.access.writes):
+                bad |= m.any(axis=1)
+    return ~bad & observed.any(axis=1) & ~(required & ~observed).any(axis=1)

@@ -1,0 +1,95 @@
+// Flagged activations (mpk/compiler/flags.py has the why and the rules): a flagged bf16 tensor
+// [..., N] is stored as u64 words [..., N/2], each a bf16 pair (columns n, n + 1; n even) in the
+// low 32 bits and the epoch of the write that stored it in the high 32. Writers store whole
+// words; readers load whole words and keep loading until each carries the epoch they expect, so
+// the data is its own readiness signal (no fence, counter or controller poll between a producer
+// and a consumer that polls). Words are single 64-bit accesses (single-copy atomic), relaxed at
+// GPU scope: another SM's store is seen, never half of it.
+// Included by kinds, after task_args.cuh (TaskArgs, mpk::ptx), like every kind header.
+#pragma once
+#include <stdint.h>
+
+namespace mpk::dev {
+
+using flag_word = unsigned long long;
+
+// The epoch of operand `slot`'s flagged access in this task's step (the compiler's flag entry,
+// compiler/flags.encode_entry / epoch), or 0 when the operand is plain.
+__device__ __forceinline__ uint32_t flag_epoch(const mpk::TaskArgs& a, int slot) {
+#pragma unroll
+  for (int e = 0; e < REC_FLAG_ENTRIES; ++e) {
+    const uint32_t word = static_cast<uint32_t>(a.params[REC_FLAG_PARAMS + e]);
+    if ((word & 0xffu) == static_cast<uint32_t>(slot) + 1u) {
+      const uint32_t writes = (word >> 8) & 0xfffu, index = word >> 20;
+      return ((a.gstep * writes + index) & 0x7fffffffu) + 1u;  // mod 2^31 + 1
+    }
+  }
+  return 0u;
+}
+
+__device__ __forceinline__ flag_word make_flag_word(uint32_t pair, uint32_t epoch) {
+  return static_cast<flag_word>(pair) | (static_cast<flag_word>(epoch) << 32);
+}
+__device__ __forceinline__ uint32_t word_epoch(flag_word w) { return static_cast<uint32_t>(w >> 32); }
+__device__ __forceinline__ uint32_t word_pair(flag_word w) { return static_cast<uint32_t>(w); }
+
+__device__ __forceinline__ void st_flag(flag_word* p, flag_word w) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
+}
+__device__ __forceinline__ void st_flag2(flag_word* p, flag_word a, flag_word b) {
+  asm volatile("st.relaxed.gpu.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b)
+               : "memory");
+}
+__device__ __forceinline__ flag_word ld_flag(const flag_word* p) {
+  flag_word w;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
+  return w;
+}
+// Two consecutive words (16-byte aligned): two single-copy-atomic 64-bit reads.
+__device__ __forceinline__ void ld_flag2(const flag_word* p, flag_word& a, flag_word& b) {
+  asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p)
+               : "memory");
+}
+
+// A poll gives up only when the launch is stopping (another CTA's watchdog fired, or this CTA's
+// storer found the task stuck: runtime.cuh); it then marks its task in gave_up, so the storer
+// records the task as where this CTA stopped, and the data stays whatever was read.
+struct Poll {
+  const int* abort;
+  int task;  // the record's task id
+
+  __device__ __forceinline__ bool again() const {
+    if (!mpk::ptx::ld_relaxed_s32(abort)) return true;
+    mpk::gave_up_task = task;
+    return false;
+  }
+};
+
+// Eight bf16 (four words at p, 16-byte aligned) carrying `epoch`, as one 16-byte vector in
+// natural order. Loads first, then checks: a caller that issues several (poll8_issue) before
+// checking them (poll8_finish) pays one L2 round trip for all, not one each.
+struct Poll8 {
+  flag_word w[4];
+};
+__device__ __forceinline__ void poll8_issue(const flag_word* p, Poll8& v) {
+  ld_flag2(p, v.w[0], v.w[1]);
+  ld_flag2(p + 2, v.w[2], v.w[3]);
+}
+__device__ __forceinline__ bool poll8_ready(const Poll8& v, uint32_t epoch) {
+  return word_epoch(v.w[0]) == epoch && word_epoch(v.w[1]) == epoch &&
+         word_epoch(v.w[2]) == epoch && word_epoch(v.w[3]) == epoch;
+}
+__device__ __forceinline__ uint4 poll8_finish(const flag_word* p, Poll8& v, uint32_t epoch,
+                                              const Poll& poll) {
+  while (!poll8_ready(v, epoch) && poll.again()) poll8_issue(p, v);
+  return make_uint4(word_pair(v.w[0]), word_pair(v.w[1]), word_pair(v.w[2]), word_pair(v.w[3]));
+}
+
+// One word expected to carry `epoch` (already loaded into w: reloaded until it does).
+__device__ __forceinline__ uint32_t poll_word(const flag_word* p, flag_word w, uint32_t epoch,
+                                              const Poll& poll) {
+  while (word_epoch(w) != epoch && poll.again()) w = ld_flag(p);
+  return word_pair(w);
+}
+
+}  // namespace mpk::dev

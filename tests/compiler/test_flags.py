@@ -1,0 +1,121 @@
+"""Flagged activations (compiler/flags.py): which tensors, which waits the CUDA controller skips,
+and the epochs the op parameter rows carry."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpk.compiler import flags, record
+from mpk.compiler.lower import compile_graph
+from mpk.models.builder import DecodeShape, build_graph
+from mpk.models.config import get_preset
+from mpk.parallel import rank_plans
+
+NUM_SMS = 16
+
+
+def _plan(preset: str, batch: int = 1):
+    cfg = get_preset(preset)
+    return cfg, compile_graph(build_graph(cfg, DecodeShape(batch=batch), num_sms=NUM_SMS),
+                              NUM_SMS)
+
+
+def _records_by_op(plan):
+    out: dict[str, list] = {}
+    for sm in range(plan.num_sms):
+        for i in range(int(plan.lengths[sm])):
+            rec = plan.instrs[sm, i]
+            out.setdefault(plan.ops[int(rec[record.OP])].name, []).append(rec)
+    return out
+
+
+def _entries(plan, op_name: str) -> dict[str, tuple[int, int]]:
+    """operand -> (W, w) of the op's flag entries."""
+    index = [o.name for o in plan.ops].index(op_name)
+    op = plan.ops[index]
+    from mpk.tasks.registry import get_kind
+
+    names = [s.name for s in get_kind(op.kind).operands]
+    out = {}
+    for word in plan.op_params[index, record.FLAG_PARAMS:]:
+        word = int(word) & 0xFFFFFFFF
+        if word:
+            out[names[(word & 0xFF) - 1]] = ((word >> 8) & 0xFFF, word >> 20)
+    return out
+
+
+def test_dense_model_flags_the_residual_stream_and_the_mlp_activations() -> None:
+    cfg, plan = _plan("tiny-qwen3")
+    flagged = {t.name for t in plan.tensors if t.flagged}
+    acts = {f"layers.{i}.act" for i in range(cfg.num_layers)}
+    assert flagged == {"hidden"} | acts
+    for t in plan.tensors:  # twice the bytes on the device; the interpreter's shape unchanged
+        if t.flagged:
+            assert t.device_nbytes == 2 * 2 * t.shape[0] * t.shape[1]
+
+
+def test_linear_consumers_of_flagged_tensors_skip_their_counter_waits() -> None:
+    cfg, plan = _plan("tiny-qwen3")
+    recs = _records_by_op(plan)
+    for name, rows in recs.items():
+        role = name.split(".")[-1]
+        for rec in rows:
+            waits = record.decode_waits(rec)
+            mask = int(rec[record.POLLED])
+            assert mask < (1 << len(waits)), name  # only existing waits
+            if role in ("qkv", "gate_up", "down", "lm_head"):
+                # Their one same-step wait is on the producer of x (hidden / act): polled.
+                same_step = [w for w, (_, _, prev) in enumerate(waits) if not prev]
+                assert same_step and all(mask >> w & 1 for w in same_step), (name, waits, mask)
+            else:  # attention reads qkv, o_proj reads attn: plain tensors, counted waits
+                assert mask == 0, (name, waits, mask)
+            for w, (_, _, prev) in enumerate(waits):
+                assert not (prev and mask >> w & 1), name  # previous-step waits always count
+
+
+def test_epochs_follow_the_writes_of_each_tensor_in_program_order() -> None:
+    cfg, plan = _plan("tiny-qwen3")
+    writes = 1 + 2 * cfg.num_layers  # hidden: the embedding, then o_proj and down per layer
+    assert _entries(plan, "embed") == {"out": (writes, 0)}
+    for layer in range(cfg.num_layers):
+        p = f"layers.{layer}."
+        o_proj, down = 1 + 2 * layer, 2 + 2 * layer
+        assert _entries(plan, p + "qkv") == {"x": (writes, o_proj - 1)}
+        assert _entries(plan, p + "o_proj") == {"residual": (writes, o_proj - 1),
+                                                "out": (writes, o_proj)}
+        assert _entries(plan, p + "gate_up") == {"x": (writes, o_proj), "out": (1, 0)}
+        assert _entries(plan, p + "down") == {"x": (1, 0), "residual": (writes, o_proj),
+                                              "out": (writes, down)}
+    assert _entries(plan, "lm_head") == {"x": (writes, writes - 1)}
+
+
+def test_epoch_is_never_zero_nor_all_ones() -> None:
+    entry = flags.encode_entry(3, 57, 56)
+    for step in (0, 1, 2**31 // 57, 2**40):
+        e = flags.epoch(entry, step)
+        assert 1 <= e <= 2**31
+    assert flags.epoch(entry, 0) == 57
+    assert flags.epoch(flags.encode_entry(0, 1, 0), 7) == 8
+    with pytest.raises(AssertionError):
+        flags.encode_entry(0, 4, 4)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe"])
+def test_tensors_touched_by_kinds_without_the_flagged_form_stay_plain(preset: str) -> None:
+    _, plan = _plan(preset)
+    flagged = {t.name for t in plan.tensors if t.flagged}
+    assert "hidden" not in flagged  # the router and expert kinds read / write it plainly
+
+
+def test_tensor_parallel_ranks_keep_the_residual_plain() -> None:
+    plan = rank_plans(get_preset("tiny-qwen3"), DecodeShape(batch=1), 2, num_sms=NUM_SMS)[0]
+    flagged = {t.name for t in plan.tensors if t.flagged}
+    assert "hidden" not in flagged  # the all-reduce writes it
+    assert all(name.endswith(".act") for name in flagged)
+
+
+def test_large_tensors_stay_plain() -> None:
+    cfg, plan = _plan("qwen3-0.6b", batch=16)  # act: 16 x 3072 bf16 = 96 KB
+    flagged = {t.name for t in plan.tensors if t.flagged}
+    assert flagged == {"hidden"}  # 16 x 1024 bf16 = 32 KB
+    assert flags.FLAG_MAX_BYTES == 32 * 1024
