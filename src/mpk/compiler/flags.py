@@ -44,9 +44,12 @@ from mpk.graph.graph import Graph
 from mpk.tasks.base import Access, boxes_overlap
 from mpk.tensors import Role
 
-# Readers load twice the bytes of a flagged tensor (and poll them): past a few tens of KB a
-# reader's load time grows more than the hand-off saves (batch 16's inputs are L2-bound).
-FLAG_MAX_BYTES = 32 * 1024
+# A linear reader polls one 16-byte vector (8 elements) a thread at a time, each an L2 round trip
+# after the last (more in flight spilled: linear/sm90.cuh), where a plain input is one batch of
+# copies: at two vectors a thread (256 threads: 8 KB) the hand-off's saving (~1.2 us) still
+# exceeds the extra trip; qwen3-0.6b at batch 8 (hidden 16 KB: four) got slower, 1.178 -> 1.200
+# ms (perf-log, fourteenth session).
+FLAG_MAX_BYTES = 8 * 1024
 _MAX_WRITES = 1 << 12  # W and w each take 12 bits of an entry
 
 

@@ -55,12 +55,9 @@ __device__ __forceinline__ void ld_flag2(const flag_word* p, flag_word& a, flag_
 // storer found the task stuck: runtime.cuh); it then marks its task in gave_up, so the storer
 // records the task as where this CTA stopped, and the data stays whatever was read.
 struct Poll {
-  const int* abort;
-  int task;  // the record's task id
-
   __device__ __forceinline__ bool again() const {
-    if (!mpk::ptx::ld_relaxed_s32(abort)) return true;
-    mpk::gave_up_task = task;
+    if (!mpk::ptx::ld_relaxed_s32(mpk::launch_abort)) return true;
+    mpk::gave_up_task = mpk::running_task;
     return false;
   }
 };

@@ -86,10 +86,7 @@ struct Task {
   const int* pos;     // positions [B]
   const int* runs;    // runs [B, RUN_WORDS] (tasks/runs.py), or null: every row alone
   int step;
-  // Epochs of the flagged operands (common/flags.cuh; 0: plain), and what a poll needs.
-  uint32_t x_ep, res_ep, out_ep;
-  const int* abort;
-  int task;
+  uint32_t x_ep, res_ep, out_ep;  // epochs of the flagged operands (common/flags.cuh; 0: plain)
 };
 
 // Shared scratch: [xs: B (wide: 16) rows of XS bf16][part: 2 x kWarps x 8 x 16 f32]
@@ -198,7 +195,7 @@ __device__ __forceinline__ void load_resid(const Task& t, int b, int n, unsigned
 __device__ __forceinline__ void resid_values(const Task& t, int b, int n, unsigned w0, unsigned w1,
                                              float& r0, float& r1) {
   if (t.res_ep) {
-    const dev::Poll poll{t.abort, t.task};
+    const dev::Poll poll;
     const long long off = (long long)b * t.N + n;
     const unsigned pair = dev::poll_word(static_cast<const dev::flag_word*>(t.resid) + off / 2,
                                          dev::make_flag_word(w0, w1), t.res_ep, poll);
@@ -241,7 +238,7 @@ __device__ __forceinline__ void stage_vec(const Task& t, const Scratch& s, int b
 __device__ __forceinline__ void poll_stage(const Task& t, const Scratch& s, int k0, int vpr,
                                            int vfill) {
   const int total = staged_rows(t) * vfill;
-  const dev::Poll poll{t.abort, t.task};
+  const dev::Poll poll;
   for (int idx = threadIdx.x; idx < total; idx += NUM_THREADS) {
     const int r = idx / vfill, c = idx - r * vfill;
     uint4 val = make_uint4(0u, 0u, 0u, 0u);
@@ -688,8 +685,6 @@ __device__ __forceinline__ Task task_of(const mpk::TaskArgs& a) {
   t.x_ep = dev::flag_epoch(a, O_X);
   t.res_ep = dev::flag_epoch(a, O_RESIDUAL);
   t.out_ep = dev::flag_epoch(a, O_OUT);
-  t.abort = a.abort;
-  t.task = a.rec[REC_TASK];
   return t;
 }
 

@@ -362,26 +362,35 @@ __device__ __forceinline__ void stop_polled(const Params& p, const Slot& slot, i
                  ptx::ld_relaxed_u64(p.counters + wt[0]), target, g);
 }
 
-// The storer's wait for a record's consumers. A record that polls flagged data has no counter
-// wait the controller could time out on for those producers, so the watchdog is here: once the
-// record is ready, its consumers get timeout_ns to finish, else it is reported as stuck and the
-// launch stops (their polls then give up). False once the consumers have left after a stop.
+// The storer's wait for the consumers of a record that polls flagged data: that record has no
+// counter wait the controller could time out on for those producers, so the watchdog is here.
+// 0: done; 1: the consumers left after a stop; 2: timeout_ns passed (in 1.024 us units: one
+// 32-bit register for the start, the producers' register budget is small).
+__device__ __forceinline__ int wait_polled(uint32_t done, uint32_t parity, const int* gone,
+                                           long long timeout_ns) {
+  const uint32_t t0 = (uint32_t)(ptx::globaltimer() >> 10);
+  while (!ptx::mbar_try_wait(done, parity)) {
+    if (ptx::ld_acquire_cta(gone)) return ptx::mbar_try_wait(done, parity) ? 0 : 1;
+    if ((uint32_t)(ptx::globaltimer() >> 10) - t0 > (uint32_t)(timeout_ns >> 10)) return 2;
+  }
+  return 0;
+}
+
+// Wait until the consumers finish record k (slot sl); false once they have left after a stop.
+// A polling record gets timeout_ns once it is ready, else it is reported as stuck and the launch
+// stops (its polls then give up, and its consumers finish).
 __device__ __forceinline__ bool wait_done(const Params& p, Shared& sh, const Slot& slot, int sl,
                                           uint32_t parity, int sm, bool& aborted) {
   const uint32_t done = ptx::smem_u32(&sh.bars.done[sl]);
-  if (slot.rec[REC_POLLED] == 0 || aborted)
-    return wait_unless_gone(done, parity, &sh.consumers_gone);
-  if (!wait_unless_gone(ptx::smem_u32(&sh.bars.ready[sl]), parity, &sh.consumers_gone))
-    return false;
-  const unsigned long long t0 = ptx::globaltimer();
-  while (!ptx::mbar_try_wait(done, parity)) {
-    if (ptx::ld_acquire_cta(&sh.consumers_gone)) return ptx::mbar_try_wait(done, parity);
-    if (!aborted && ptx::globaltimer() - t0 > (unsigned long long)p.timeout_ns) {
-      stop_polled(p, slot, sm, true);
-      aborted = true;
-    }
+  if (slot.rec[REC_POLLED] != 0 && !aborted) {
+    if (!wait_unless_gone(ptx::smem_u32(&sh.bars.ready[sl]), parity, &sh.consumers_gone))
+      return false;
+    const int r = wait_polled(done, parity, &sh.consumers_gone, p.timeout_ns);
+    if (r != 2) return r == 0;
+    stop_polled(p, slot, sm, true);
+    aborted = true;
   }
-  return true;
+  return wait_unless_gone(done, parity, &sh.consumers_gone);
 }
 
 __device__ __forceinline__ void storer(const Params& p, Shared& sh, int total, int sm) {
@@ -429,10 +438,10 @@ __device__ __forceinline__ TaskArgs task_args(const Params& p, Shared& sh, Slot&
                          p.timeout_ns};
 #ifdef MPK_PROFILE
   return TaskArgs{slot.rec, slot.params, slot.base, slot.step, slot.gstep, scratch, task_params,
-                  pages, p.abort_flag, slot.t_mark};
+                  pages, slot.t_mark};
 #else
   return TaskArgs{slot.rec, slot.params, slot.base, slot.step, slot.gstep, scratch, task_params,
-                  pages, p.abort_flag};
+                  pages};
 #endif
 }
 
@@ -468,6 +477,7 @@ __device__ __forceinline__ void consumers(const Params& p, Shared& sh, uint32_t 
       slot.t_mark[0] = slot.t_mark[1] = 0ull;  // a kind that marks overwrites them
     }
 #endif
+    running_task = slot.rec[REC_TASK];  // every thread: each reads back its own write
     const TaskArgs a = task_args(p, sh, slot, ring, scratch, task_params);
     if (!dispatch(slot.rec[REC_KIND], a)) __trap();  // the controller checked the kind id
     // Every warp is out of this task before any warp starts the next one: a task owns the
@@ -522,7 +532,10 @@ extern "C" __global__ void __launch_bounds__(mpk::RUNTIME_THREADS, 1)
   // branch would be spilled around the register reallocation. The thread index is read with
   // an opaque move, so the tasks' own threadIdx.x is not merged with (and kept alive from) it.
   const int tid0 = ptx::thread_index();
-  if (tid0 == 0) init_barriers(sh);
+  if (tid0 == 0) {
+    init_barriers(sh);
+    launch_abort = p.abort_flag;
+  }
   __syncthreads();
   const int warp = tid0 >> 5;
   if (warp >= CONSUMER_WARPS) {

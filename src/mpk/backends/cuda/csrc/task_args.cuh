@@ -14,7 +14,6 @@
 // gstep   : the global step (low 32 bits): the epoch of flagged accesses (common/flags.cuh).
 // smem    : this task's shared-memory scratch (SMEM_BYTES, generated from the plan).
 // p       : the launch's Params, for kinds that declare reads_launch_params (else nullptr).
-// abort   : the launch's stop flag, for kinds that poll flagged data (common/flags.cuh Poll).
 // pages   : the task's weight pages (kinds with a TaskKind.stream_layout): page i holds the
 //           bytes of run-by-run cut i of the task's stream (record STREAM_RUNS). A kind with a
 //           stream copies this cursor, visits its pages, and MUST call finish() on its copy
@@ -37,8 +36,12 @@
 
 namespace mpk {
 
-// The task id of a record whose poll of flagged data gave up because the launch was stopping
-// (common/flags.cuh), -1 before: the storer records that record as where this CTA stopped.
+// For kinds that poll flagged data (common/flags.cuh Poll), in shared memory so that a task keeps
+// no register for them: the launch's stop flag; the task id of the record the consumers run; and
+// the task id of a record whose poll gave up because the launch was stopping (-1 before: the
+// storer records that record as where this CTA stopped).
+__shared__ const int* launch_abort;
+__shared__ int running_task;
 __shared__ int gave_up_task;
 
 // Barrier among the task's NUM_THREADS consumer threads (named barrier 1).
@@ -138,7 +141,6 @@ struct TaskArgs {
   char* smem;
   const Params* p;
   PageCursor pages;
-  const int* abort;
 #ifdef MPK_PROFILE
   unsigned long long* marks;  // the record's INPUT and COMPUTE stamps (profiling builds only)
 #endif
