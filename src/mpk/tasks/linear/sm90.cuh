@@ -573,10 +573,8 @@ __device__ __forceinline__ int shared_pairs(const Task& t, int nb) {
 }
 static_assert(4 * (kRows / 2) * kMaxB <= NUM_THREADS, "a shared block (nb <= 4) has a pair a thread");
 
-// Row-group-local row (even) and batch of this thread's pair.
 __device__ __forceinline__ void shared_pair(const Task& t, int idx, int& row, int& b) {
-  b = idx % t.B;
-  row = 2 * (idx / t.B);
+  b = idx % t.B, row = 2 * (idx / t.B);  // row-group-local row (even) and batch of a pair
 }
 
 __device__ __forceinline__ void prefetch_shared(const Task& t, int rg0, int nb,
@@ -591,11 +589,20 @@ __device__ __forceinline__ void prefetch_shared(const Task& t, int rg0, int nb,
 
 // Sum of the block's partials for (row group rgl of the block, row g, batch b), in warp order:
 // the warps that met row group rgl are those w with (w - u0) mod nb == rgl (nb a power of two).
+// Unrolled: the loads issue together (a loop paid a shared-memory round trip per warp).
 __device__ __forceinline__ float reduce_part(const Scratch& s, int buf, int u0, int nb, int rgl,
                                              int g, int b) {
-  float sum = 0.f;
   const float* part = s.part + (buf * kWarps * kRows + g) * kMaxB + b;
-  for (int w = (u0 + rgl) & (nb - 1); w < kWarps; w += nb) sum += part[w * kRows * kMaxB];
+  const int first = (u0 + rgl) & (nb - 1);
+  float v[kWarps];
+#pragma unroll
+  for (int j = 0; j < kWarps; ++j) {
+    const int w = first + j * nb;
+    v[j] = w < kWarps ? part[w * kRows * kMaxB] : 0.f;
+  }
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < kWarps; ++j) sum = first + j * nb < kWarps ? sum + v[j] : sum;
   return sum;
 }
 
