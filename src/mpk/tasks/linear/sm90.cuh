@@ -147,7 +147,8 @@ __device__ __forceinline__ unsigned long long rank_key(const Scratch& s, int b, 
 
 // ---- epilogue: outputs in pairs of columns (n, n + 1; n even), a flagged output's words --------
 
-// Plain: what out[b][n] stores (bf16-rounded unless out is f32; argmax ranks it).
+// Plain: the value out[b][n] stores from the fp32 sum and the residual (rounded to bf16 unless
+// out is f32; argmax ranks it).
 __device__ __forceinline__ float plain_value(const Task& t, float sum, float resid) {
   if (t.f32) return t.res ? __fadd_rn(sum, resid) : sum;
   const float y = dev::round_bf16(sum);
@@ -501,7 +502,8 @@ __device__ __forceinline__ void prefetch_own(const Task& t, int rg, unsigned (&r
 
 // A block of 8 row groups: this warp owns row group `rg` (task-local); write or accumulate.
 // A lane's outputs j are (batch g + 8h, stream row 2t + e) for j = 2h + e: two pairs.
-// A warp's best keys (argmax: a lane's best[2h + e], batch row g + 8h) into s.best, once a task.
+// A warp's best keys (argmax: a lane's best[2h + e], batch row g + 8h) into the task's s.best:
+// per block, so no key stays live in registers across the next block's staging and walk.
 __device__ __forceinline__ void merge_best(const Task& t, const Scratch& s,
                                            const unsigned long long (&best)[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
@@ -519,8 +521,7 @@ __device__ __forceinline__ void merge_best(const Task& t, const Scratch& s,
 }
 
 __device__ __forceinline__ void finish_own(const Task& t, const Scratch& s, int rg,
-                                           const float (&r)[4], const unsigned (&resid)[4], int ch,
-                                           unsigned long long (&best)[4]) {
+                                           const float (&r)[4], const unsigned (&resid)[4], int ch) {
   const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   float v[4] = {r[0], r[1], r[2], r[3]};
   if (t.nch > 1) {  // this warp alone owns these accumulator rows
@@ -546,6 +547,7 @@ __device__ __forceinline__ void finish_own(const Task& t, const Scratch& s, int 
     }
     return;
   }
+  unsigned long long best[4] = {0ull, 0ull, 0ull, 0ull};
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int b = g + 8 * h, n = out_col(t, rg, 2 * tq);
@@ -561,9 +563,11 @@ __device__ __forceinline__ void finish_own(const Task& t, const Scratch& s, int 
       if (k1 > best[2 * h + 1]) best[2 * h + 1] = k1;
     }
   }
+  if (t.argmax) merge_best(t, s, best);
 }
 
-// Output pairs of a shared block, one a thread (tid over pair p, batch b: rows 2p, 2p + 1).
+// Output pairs of a shared block, one per thread: idx = tid over (row-group-local pair p, batch
+// b): rows 2p, 2p + 1 (plain: nb * 4 * B pairs; silu_mul: its 4 gate rows, nb * 2 * B).
 __device__ __forceinline__ int shared_pairs(const Task& t, int nb) {
   return nb * (t.silu ? 2 : kRows / 2) * t.B;
 }
@@ -756,7 +760,6 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
     }
   }
   const int pbase = t.rms ? 1 : 0;
-  unsigned long long best[4] = {0ull, 0ull, 0ull, 0ull};
   int u0 = 0, buf = 0;
   for (int ch = 0; ch < t.nch; ++ch) {
     stage_chunk(t, s, nw, ch);
@@ -775,7 +778,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
           prefetch_own(t, rg, resid);
           walk(t, s, pc, pbase, u0, nb, nk, r);
           a.mark(1);  // profiling: warp 0's walk of this block is done (the last block's stays)
-          finish_own(t, s, rg, r, resid, ch, best);
+          finish_own(t, s, rg, r, resid, ch);
         } else {
           unsigned resid[2];
           prefetch_shared(t, rg0, nb, resid);
@@ -791,10 +794,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
     if (ch + 1 < t.nch) mpk::task_sync();
   }
   pc.finish();
-  if (t.argmax) {
-    merge_best(t, s, best);
-    write_argmax(t, s);
-  }
+  if (t.argmax) write_argmax(t, s);
 }
 
 }  // namespace mpk::kinds::linear
