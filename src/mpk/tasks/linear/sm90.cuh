@@ -232,9 +232,8 @@ __device__ __forceinline__ void stage_vec(const Task& t, const Scratch& s, int b
     *reinterpret_cast<uint4*>(landing(s, b, v)) = make_uint4(0u, 0u, 0u, 0u);
 }
 
-// Flagged x: every vector of the staged rows polled into place, natural order, zeros as
-// stage_vec. One vector a thread at a time: more in flight spilled (the whole task's state is
-// live here); a thread has at most two at batch 1 up to K = 4,096.
+// Flagged x: the staged rows' vectors polled into place (natural order, zeros as stage_vec), one
+// a thread at a time: more in flight spilled; compiler/flags.py keeps it to two a thread.
 __device__ __forceinline__ void poll_stage(const Task& t, const Scratch& s, int k0, int vpr,
                                            int vfill) {
   const int total = staged_rows(t) * vfill;
@@ -500,10 +499,8 @@ __device__ __forceinline__ void prefetch_own(const Task& t, int rg, unsigned (&r
   }
 }
 
-// A block of 8 row groups: this warp owns row group `rg` (task-local); write or accumulate.
-// A lane's outputs j are (batch g + 8h, stream row 2t + e) for j = 2h + e: two pairs.
-// A warp's best keys (argmax: a lane's best[2h + e], batch row g + 8h) into the task's s.best:
-// per block, so no key stays live in registers across the next block's staging and walk.
+// A warp's best keys (a lane's best[2h + e], row g + 8h) into s.best: per block, so none stays
+// live across the next block's staging and walk (that spilled). A stale read: one atomic more.
 __device__ __forceinline__ void merge_best(const Task& t, const Scratch& s,
                                            const unsigned long long (&best)[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
@@ -515,11 +512,14 @@ __device__ __forceinline__ void merge_best(const Task& t, const Scratch& s,
       const unsigned long long o = __shfl_xor_sync(0xffffffffu, key, off);
       if (o > key) key = o;
     }
-    const int b = g + 8 * h;
-    if (tq == 0 && b < t.B && key != 0ull) atomicMax(s.best + b, key);
+    const int b = g + 8 * h;  // an atomic only for a key above the best so far (lm_head: 18 blocks)
+    if (tq == 0 && b < t.B && key > *(volatile unsigned long long*)(s.best + b))
+      atomicMax(s.best + b, key);
   }
 }
 
+// A block of 8 row groups: this warp owns row group `rg` (task-local); write or accumulate.
+// A lane's outputs j are (batch g + 8h, stream row 2t + e) for j = 2h + e: two pairs.
 __device__ __forceinline__ void finish_own(const Task& t, const Scratch& s, int rg,
                                            const float (&r)[4], const unsigned (&resid)[4], int ch) {
   const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
