@@ -61,8 +61,12 @@ def test_linear_consumers_of_flagged_tensors_skip_their_counter_waits() -> None:
         role = name.split(".")[-1]
         for rec in rows:
             waits = record.decode_waits(rec)
-            mask = int(rec[record.POLLED])
+            word = int(rec[record.POLLED])
+            mask = word & ~record.POLLS
             assert mask < (1 << len(waits)), name  # only existing waits
+            # Every reader of hidden / act polls it, so the storer watches it (the embedding
+            # only writes hidden; attention, its merge and the sampler read plain tensors).
+            assert bool(word & record.POLLS) == (role in ("qkv", "o_proj", "gate_up", "down", "lm_head")), name
             if role in ("qkv", "gate_up", "down", "lm_head"):
                 # Their one same-step wait is on the producer of x (hidden / act): polled.
                 same_step = [w for w, (_, _, prev) in enumerate(waits) if not prev]

@@ -48,3 +48,28 @@ def test_cycle_is_reported_as_deadlock() -> None:
     text = diagnose.explain(plan, state(rows), np.zeros(3, dtype=np.int64), step_begin=0)
     assert text.startswith("no root cause"), text
     assert "inc0[0, 0, 0] on SM 0" in text and "inc1[1, 0, 0] on SM 1" in text
+
+
+def test_a_poll_that_skipped_no_wait_is_a_root_without_a_counter() -> None:
+    plan = chain_plan(n=TILES * 16, tiles=TILES, num_sms=SMS)
+    poll, waiting = codegen.SM_STATUS["POLL"], codegen.SM_STATUS["WAITING"]
+    # SM 3 gave up polling at inc1[3] (position 2) with no skipped wait to name (wait -1); the
+    # others wait on counter 1, which that task would have signalled.
+    rows = {sm: (waiting, 4, 0, 0) for sm in range(SMS) if sm != 3}
+    rows[3] = (poll, 2, 0, -1)
+    counters = np.array([TILES, TILES - 1, 0], dtype=np.int64)
+    text = diagnose.explain(plan, state(rows), counters, step_begin=0)
+    first = text.splitlines()[0]
+    assert first.startswith("root cause: task 67 inc1[3, 0, 0] on SM 3"), text
+    assert "polled flagged data that never carried the epoch it expects" in first, text
+    assert "counter" not in first, text
+
+
+def test_a_poll_that_skipped_a_wait_names_its_producers() -> None:
+    plan = chain_plan(n=TILES * 16, tiles=TILES, num_sms=SMS)
+    poll = codegen.SM_STATUS["POLL"]
+    rows = {3: (poll, 2, 0, 0)}  # inc1[3] polled the data of counter 0's producers (all done)
+    counters = np.array([TILES, 0, 0], dtype=np.int64)
+    text = diagnose.explain(plan, state(rows), counters, step_begin=0)
+    assert "polled its flagged input from the tasks that signal counter 0" in text, text
+    assert "the epochs their writes carry are not the ones it reads" in text, text

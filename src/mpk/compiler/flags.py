@@ -20,12 +20,14 @@ TaskKind.flag_operands (pure reads or pure writes), every write covers the whole
 every read follows a write of the same step.
 
 The CUDA controller skips a same-step wait (record.POLLED) of consumer task r of op C on a
-counter of producer op P when, for task r, every conflict with P is either a read of a flagged
-tensor P writes (r polls it) or a write to a tensor P only reads, and the P tasks r depends on
-are all among those whose flagged writes r polls. A flagged write follows all of its task's reads
-(flag_operands' contract), so seeing it also says the task's reads are done. Waits the
-transitive reduction dropped because a skipped wait implied them stay ordered the same way: the
-producer ran after its own waits were met, and the consumer acts only after seeing its writes.
+counter of producer op P when P writes only flagged tensors, task r reads the whole of one that
+P writes (so it sees a word of every P task, and every word P wrote: all of P's stores have
+landed when r goes on), and every other conflict with P is a write to a tensor P only reads. A
+flagged write is computed from its task's reads of whole inputs (flag_operands' contract), so
+seeing it also says those reads are done. Waits the transitive reduction dropped because a
+skipped wait implied them stay ordered the same way: P ran after its own waits were met, and
+the consumer acts only after seeing all of P's writes. A task that reads any flagged tensor has
+record.POLLS set: the CUDA storer watches it (a poll that never sees its epoch is reported).
 The records keep every wait: the interpreter, the deadlock simulation and the mutation tests see
 the same dependencies as before.
 """
@@ -50,7 +52,7 @@ from mpk.tensors import Role
 # exceeds the extra trip; qwen3-0.6b at batch 8 (hidden 16 KB: four) got slower, 1.178 -> 1.200
 # ms (perf-log, fourteenth session).
 FLAG_MAX_BYTES = 8 * 1024
-_MAX_WRITES = 1 << 12  # W and w each take 12 bits of an entry
+_MAX_WRITES = 1 << 11  # W takes 12 bits of an entry, w the 11 below its sign bit
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,12 @@ def epoch(entry: int, step: int) -> int:
 def plan_flags(graph: Graph, ops: list[TiledOp], counters: CounterPlan) -> Flags:
     capable = {op.index: op.kind.flag_operands(op.view) for op in ops}
     tensors = _flagged_tensors(graph, ops, capable)
-    return Flags(tensors, _entries(ops, tensors), _polled(ops, counters, tensors))
+    shapes = {name: t.shape for name, t in graph.tensors.items()}
+    return Flags(tensors, _entries(ops, tensors), _polled(ops, counters, tensors, shapes))
+
+
+def _polls(op: TiledOp, tensors: frozenset[str]) -> bool:
+    return any(acc.tensor in tensors and acc.access.reads for acc in op.accesses)
 
 
 def _flagged_tensors(graph: Graph, ops: list[TiledOp],
@@ -131,7 +138,8 @@ def _entries(ops: list[TiledOp], tensors: frozenset[str]) -> dict[int, tuple[int
     return entries
 
 
-def _polled(ops: list[TiledOp], counters: CounterPlan, tensors: frozenset[str]) -> list[int]:
+def _polled(ops: list[TiledOp], counters: CounterPlan, tensors: frozenset[str],
+            shapes: dict[str, tuple[int, ...]]) -> list[int]:
     owner: dict[int, int] = {}  # counter -> producer op
     op_of_task: list[int] = []
     for op in ops:
@@ -143,35 +151,42 @@ def _polled(ops: list[TiledOp], counters: CounterPlan, tensors: frozenset[str]) 
     polled = []
     for task, waits in enumerate(counters.waits):
         consumer = ops[op_of_task[task]]
-        mask = 0
+        mask = record.POLLS if _polls(consumer, tensors) else 0
         for w, (c, _count, prev) in enumerate(waits):
             producer = owner[c]
             if prev or producer == consumer.index:
                 continue
             key = (producer, consumer.index)
             if key not in pairs:
-                pairs[key] = _skippable(ops[producer], consumer, tensors)
+                pairs[key] = _skippable(ops[producer], consumer, tensors, shapes)
             if pairs[key][task - consumer.first_task]:
                 mask |= 1 << w
         polled.append(mask)
     return polled
 
 
-def _skippable(producer: TiledOp, consumer: TiledOp, tensors: frozenset[str]) -> np.ndarray:
+def _skippable(producer: TiledOp, consumer: TiledOp, tensors: frozenset[str],
+               shapes: dict[str, tuple[int, ...]]) -> np.ndarray:
     """bool per consumer task: may it skip its counter waits on `producer` (module doc)?"""
-    shape = (consumer.num_tasks, producer.num_tasks)
-    required, observed = np.zeros(shape, dtype=bool), np.zeros(shape, dtype=bool)
     bad = np.zeros(consumer.num_tasks, dtype=bool)
-    if not tensors:
+    if any(ap.access.writes and ap.tensor not in tensors for ap in producer.accesses):
         return bad
+    sees_all = np.zeros(consumer.num_tasks, dtype=bool)
     for ap in producer.accesses:
         for ac in consumer.accesses:
             if ap.tensor != ac.tensor or not (ap.access.writes or ac.access.writes):
                 continue
             m = boxes_overlap(ap.boxes, ac.boxes)  # [consumer tasks, producer tasks]
-            required |= m
-            if ap.tensor in tensors and ap.access is Access.WRITE and ac.access is Access.READ:
-                observed |= m
+            if ap.access is Access.WRITE and ac.access is Access.READ:
+                whole = _covers(ac.boxes, shapes[ac.tensor])  # the flagged words r polls
+                sees_all |= whole
+                bad |= m.any(axis=1) & ~whole
             elif not (ap.access is Access.READ and ac.access.writes):
                 bad |= m.any(axis=1)
-    return ~bad & observed.any(axis=1) & ~(required & ~observed).any(axis=1)
+    return ~bad & sees_all
+
+
+def _covers(boxes: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """bool per task: does its box cover the whole tensor?"""
+    whole = np.array([[0, n] for n in shape], dtype=boxes.dtype)
+    return (boxes == whole[None]).all(axis=(1, 2))

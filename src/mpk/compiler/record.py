@@ -31,7 +31,9 @@ STREAM_OFFSET = 61  # low, high
 STREAM_RUNS = 63
 # Bit w set: the CUDA controller skips wait w, because the task polls the producers' data itself
 # (flagged activations, compiler/flags.py). Every backend that does not poll honours the wait.
+# Bit POLLS set: the task polls flagged data (skipped waits or not): the storer watches it.
 POLLED = 69
+POLLS = 1 << 8
 END = 70
 
 # The last FLAG_ENTRIES words of an op's parameter row belong to the compiler: one entry per

@@ -241,9 +241,10 @@ class TaskKind:
     def flag_operands(self, op: OpView) -> frozenset[str]:
         """Operands whose tensor this op's CUDA code can access in the flagged form
         (compiler/flags.py): reads poll each 64-bit word until it carries the epoch the
-        operand's flag entry names; writes store whole bf16 pairs with their epoch, and only
-        after every read of the task is done (a consumer that saw the output may then
-        overwrite what the task read). Default: none."""
+        operand's flag entry names; writes store whole bf16 pairs with their epoch, each computed
+        from (so after) the task's reads of its whole inputs: a consumer that saw any output word
+        may then overwrite those inputs. (A word read and rewritten in place, the residual, is
+        read by the thread that writes it.) Default: none."""
         return frozenset()
 
     def stream_layout(self, op: OpView) -> StreamLayout | None:

@@ -61,7 +61,7 @@ ERROR_FIELDS: dict[str, int] = {
 }
 ERROR_WORDS = 16
 # PEER_TIMEOUT: an all-reduce waited too long for a peer GPU's partial (COUNTER = the peer rank).
-ERROR_CODES: dict[str, int] = {"TIMEOUT": 1, "BAD_KIND": 2, "PEER_TIMEOUT": 3}
+ERROR_CODES: dict[str, int] = {"TIMEOUT": 1, "BAD_KIND": 2, "PEER_TIMEOUT": 3, "POLL_TIMEOUT": 4}
 
 # Per-SM stop state [num_sms, SM_STATE_WORDS] (emitted as SMS_<NAME>): where each CTA stopped
 # after a failure. STATUS stays 0 for a CTA that finished its list (or never stopped).

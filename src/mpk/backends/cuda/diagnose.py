@@ -89,10 +89,12 @@ def explain(plan: Plan, sm_state: np.ndarray, counters: np.ndarray, step_begin: 
         if s.status == codegen.SM_STATUS["BAD_KIND"]:
             return f"{where} has an unknown kind id"
         if s.status == codegen.SM_STATUS["POLL"]:
-            return (f"{where} (position {s.index}) at global step {step_begin + s.step} polled "
-                    f"its flagged input from the tasks that signal counter {s.counter} and never "
-                    f"saw the epoch it expects (counter value {int(counters[s.counter])}, "
-                    f"needs {s.target})")
+            head = f"{where} (position {s.index}) at global step {step_begin + s.step} polled"
+            if s.counter < 0:
+                return f"{head} flagged data that never carried the epoch it expects"
+            return (f"{head} its flagged input from the tasks that signal counter {s.counter} "
+                    f"and never saw the epoch it expects (counter value "
+                    f"{int(counters[s.counter])}, needs {s.target})")
         if s.status == codegen.SM_STATUS["PEER"]:
             return (f"{where} (position {s.index}) at global step {step_begin + s.step} stopped "
                     f"in its wait for the other tensor-parallel GPUs' partials")
@@ -102,7 +104,8 @@ def explain(plan: Plan, sm_state: np.ndarray, counters: np.ndarray, step_begin: 
     lines = []
     roots = [s for s in stopped.values() if not pending(plan, stopped, s)]
     for s in roots:
-        why = ("" if s.status in (codegen.SM_STATUS["BAD_KIND"], codegen.SM_STATUS["PEER"]) else
+        why = ("" if s.status in (codegen.SM_STATUS["BAD_KIND"], codegen.SM_STATUS["PEER"])
+               or s.counter < 0 else
                f"; every task that signals counter {s.counter} for that step "
                f"({_names(plan, s.counter)}) has finished, so "
                + ("the epochs their writes carry are not the ones it reads (flag entries)"

@@ -294,10 +294,14 @@ class CudaExecutor:
                 f"step {step} (its flag is {value}, needs {target}); that rank is slower by more "
                 f"than the watchdog, stopped, or runs another plan.\n{story}\n"
                 f"The executor's counters are now inconsistent; create a new executor.")
+        what = (f"counter {counter}: value {value}, needs {target}" if counter >= 0 else "")
+        if code == codegen.ERROR_CODES["POLL_TIMEOUT"]:
+            what = "polled flagged data that never carried its epoch" + (
+                f" (its producers' {what})" if counter >= 0 else "")
         return KernelHangError(
             f"the megakernel watchdog ({self.timeout_s:g} s) stopped the kernel.\n{story}\n"
             f"first timeout: task {task} {name} on SM {sm} (position {index}) at global step "
-            f"{step}, counter {counter}: value {value}, needs {target}.\n"
+            f"{step}, {what}.\n"
             f"The executor's counters are now inconsistent; create a new executor.")
 
 

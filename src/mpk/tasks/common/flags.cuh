@@ -52,12 +52,13 @@ __device__ __forceinline__ void ld_flag2(const flag_word* p, flag_word& a, flag_
 }
 
 // A poll gives up only when the launch is stopping (another CTA's watchdog fired, or this CTA's
-// storer found the task stuck: runtime.cuh); it then marks its task in gave_up, so the storer
-// records the task as where this CTA stopped, and the data stays whatever was read.
+// storer found the task stuck: runtime.cuh); the first record that gave up is marked in
+// gave_up_record, so the storer records it as where this CTA stopped and signals nothing from it
+// on (later records' give-ups follow it in list order), and the data stays whatever was read.
 struct Poll {
   __device__ __forceinline__ bool again() const {
     if (!mpk::ptx::ld_relaxed_s32(mpk::launch_abort)) return true;
-    mpk::gave_up_task = mpk::running_task;
+    if (mpk::gave_up_record < 0) mpk::gave_up_record = mpk::running_record;
     return false;
   }
 };

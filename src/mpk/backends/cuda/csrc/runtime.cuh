@@ -350,16 +350,18 @@ __device__ __forceinline__ void profile_record(const Params& p, const Slot& slot
 // (diagnose.py follows that counter's producers); `report` also raises the failure (a no-op when
 // another CTA's came first).
 __device__ __forceinline__ void stop_polled(const Params& p, const Slot& slot, int sm, bool report) {
-  int w = 0;
-  while (w < REC_MAX_WAITS - 1 && !((slot.rec[REC_POLLED] >> w) & 1)) ++w;
+  int w = 0;  // -1: the record skips no wait (its polls read data its counted waits cover)
+  while (w < REC_MAX_WAITS && !((slot.rec[REC_POLLED] >> w) & 1)) ++w;
+  if (w == REC_MAX_WAITS) w = -1;
   record_stop(p, SMS_STATUS_POLL, sm, slot.index, slot.step, w);
   if (!report) return;
-  const int* wt = slot.rec + REC_WAITS + w * REC_WAIT_STRIDE;
+  const int* wt = slot.rec + REC_WAITS + (w < 0 ? 0 : w) * REC_WAIT_STRIDE;
   const long long g = p.step_begin + slot.step;
   const unsigned long long target =
-      (unsigned long long)(g + 1 - wt[2]) * (unsigned long long)(unsigned)wt[1];
-  report_failure(p.error, p.abort_flag, ERR_CODE_TIMEOUT, sm, slot.rec, slot.index, wt[0],
-                 ptx::ld_relaxed_u64(p.counters + wt[0]), target, g);
+      w < 0 ? 0ull : (unsigned long long)(g + 1 - wt[2]) * (unsigned long long)(unsigned)wt[1];
+  report_failure(p.error, p.abort_flag, ERR_CODE_POLL_TIMEOUT, sm, slot.rec, slot.index,
+                 w < 0 ? -1 : wt[0], w < 0 ? 0ull : ptx::ld_relaxed_u64(p.counters + wt[0]),
+                 target, g);
 }
 
 // The storer's wait for the consumers of a record that polls flagged data: that record has no
@@ -371,20 +373,22 @@ __device__ __forceinline__ int wait_polled(uint32_t done, uint32_t parity, const
   const uint32_t t0 = (uint32_t)(ptx::globaltimer() >> 10);
   while (!ptx::mbar_try_wait(done, parity)) {
     if (ptx::ld_acquire_cta(gone)) return ptx::mbar_try_wait(done, parity) ? 0 : 1;
-    if ((uint32_t)(ptx::globaltimer() >> 10) - t0 > (uint32_t)(timeout_ns >> 10)) return 2;
+    if ((uint32_t)(ptx::globaltimer() >> 10) - t0 > (uint32_t)min(timeout_ns >> 10, 0xffffffffll))
+      return 2;
   }
   return 0;
 }
 
 // Wait until the consumers finish record k (slot sl); false once they have left after a stop.
-// A polling record gets timeout_ns once it is ready, else it is reported as stuck and the launch
-// stops (its polls then give up, and its consumers finish).
+// The record is read only after its `ready` (the fetcher may still be refilling the slot when
+// the storer gets there: the loader frees it too). A polling record gets timeout_ns once it is
+// ready, else it is reported as stuck and the launch stops (its polls give up, it finishes).
 __device__ __forceinline__ bool wait_done(const Params& p, Shared& sh, const Slot& slot, int sl,
                                           uint32_t parity, int sm, bool& aborted) {
   const uint32_t done = ptx::smem_u32(&sh.bars.done[sl]);
+  if (!wait_unless_gone(ptx::smem_u32(&sh.bars.ready[sl]), parity, &sh.consumers_gone))
+    return false;
   if (slot.rec[REC_POLLED] != 0 && !aborted) {
-    if (!wait_unless_gone(ptx::smem_u32(&sh.bars.ready[sl]), parity, &sh.consumers_gone))
-      return false;
     const int r = wait_polled(done, parity, &sh.consumers_gone, p.timeout_ns);
     if (r != 2) return r == 0;
     stop_polled(p, slot, sm, true);
@@ -400,7 +404,7 @@ __device__ __forceinline__ void storer(const Params& p, Shared& sh, int total, i
     const uint32_t round = (uint32_t)(k / NUM_SLOTS);
     const Slot& slot = sh.slot[sl];
     if (!wait_done(p, sh, slot, sl, round & 1u, sm, aborted)) return;
-    if (!aborted && gave_up_task == slot.rec[REC_TASK]) {  // its outputs are not to be trusted
+    if (!aborted && gave_up_record == k) {  // its outputs are not to be trusted
       stop_polled(p, slot, sm, false);
       aborted = true;
     }
@@ -477,7 +481,7 @@ __device__ __forceinline__ void consumers(const Params& p, Shared& sh, uint32_t 
       slot.t_mark[0] = slot.t_mark[1] = 0ull;  // a kind that marks overwrites them
     }
 #endif
-    running_task = slot.rec[REC_TASK];  // every thread: each reads back its own write
+    running_record = k;  // every thread: each reads back its own write
     const TaskArgs a = task_args(p, sh, slot, ring, scratch, task_params);
     if (!dispatch(slot.rec[REC_KIND], a)) __trap();  // the controller checked the kind id
     // Every warp is out of this task before any warp starts the next one: a task owns the
@@ -504,7 +508,7 @@ __device__ __forceinline__ void init_barriers(Shared& sh) {
   }
   for (int i = 0; i < SEEN; ++i) sh.seen_ctr[i] = -1;
   sh.consumers_gone = 0;
-  gave_up_task = -1;
+  gave_up_record = -1;
   stop_lock = 0;
   ptx::mbar_init_fence();
 }

@@ -37,12 +37,12 @@
 namespace mpk {
 
 // For kinds that poll flagged data (common/flags.cuh Poll), in shared memory so that a task keeps
-// no register for them: the launch's stop flag; the task id of the record the consumers run; and
-// the task id of a record whose poll gave up because the launch was stopping (-1 before: the
-// storer records that record as where this CTA stopped).
+// no register for them: the launch's stop flag; the position (in this launch's walk of the list,
+// steps included) of the record the consumers run; and that of the first record whose poll gave
+// up because the launch was stopping (-1 before: the storer records it as where this CTA stopped).
 __shared__ const int* launch_abort;
-__shared__ int running_task;
-__shared__ int gave_up_task;
+__shared__ int running_record;
+__shared__ int gave_up_record;
 
 // Barrier among the task's NUM_THREADS consumer threads (named barrier 1).
 __device__ __forceinline__ void task_sync() { ptx::named_sync(1, NUM_THREADS); }
