@@ -24,7 +24,6 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
   walk_start WAIT := warp 0's entry into the last block's walk (scripts/phase_spread.py --run),
   moe_down_resid_first, moe_down_kv3  moe_down's residual loaded before the output's sum; 3
              vectors per slot row in flight (same results, timing),
-  poll_sleep a flagged input's polls pause 256 ns between loads (same results, timing),
 Per op role: the phase parts, and for pagewait the mean page wait of its linear tasks.
 
   python scripts/probe_model.py --model qwen3-0.6b [--runs none,pagewait] [--json]   # on the GPU
@@ -203,13 +202,7 @@ PATCHES["moe_down_kv3"] = {"moe_down/sm90.cuh": [("constexpr int kV = 2;", "cons
 PATCHES["moe_inflight2x"] = {
     "moe_gate_up/sm90.cuh": [("constexpr int kV = 4;", "constexpr int kV = 8;")],
     "moe_down/sm90.cuh": [("constexpr int kV = 2;", "constexpr int kV = 4;")]}
-# Polls of a flagged input with a pause between loads (same results, timing): does the spinning
-# of the early consumers slow the producers they wait for (L2 traffic on the same lines)?
-POLL_FINISH = "      val = dev::poll8_finish(w, v, t.x_ep, poll);\n"
-PATCHES["poll_sleep"] = {"linear/sm90.cuh": [(POLL_FINISH, (
-    "      while (!dev::poll8_ready(v, t.x_ep) && poll.again()) {\n"
-    "        __nanosleep(256);\n        dev::poll8_issue(w, v);\n      }\n" + POLL_FINISH))]}
-RUNS = {"none": "none", "poll_sleep": "poll_sleep", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "attn_nokv", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
+RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "attn_nokv", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
         "sparse_timer": "sparse_timer",
         "no_loader_no_units": "no_loader_no_units",
         "no_loader_bare_units": "no_loader_bare_units",

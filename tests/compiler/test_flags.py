@@ -38,9 +38,9 @@ def _entries(plan, op_name: str) -> dict[str, tuple[int, int]]:
     names = [s.name for s in get_kind(op.kind).operands]
     out = {}
     for word in plan.op_params[index, record.FLAG_PARAMS:]:
-        word = int(word) & 0xFFFFFFFF
-        if word:
-            out[names[(word & 0xFF) - 1]] = ((word >> 8) & 0xFFF, word >> 20)
+        if (decoded := flags.decode_entry(int(word))) is not None:
+            slot, writes, w = decoded
+            out[names[slot]] = (writes, w)
     return out
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mpk.backends.registry import create_executor
-from mpk.compiler import record
+from mpk.compiler import flags, record
 from mpk.engine.bind import bind_model
 from mpk.errors import KernelHangError, MpkError
 from mpk.models.builder import DecodeShape
@@ -26,8 +26,8 @@ SEED = 20261202
 def _flag_slot(plan, op_index: int, operand: str) -> int:
     names = [s.name for s in get_kind(plan.ops[op_index].kind).operands]
     for e in range(record.FLAG_ENTRIES):
-        word = int(plan.op_params[op_index, record.FLAG_PARAMS + e])
-        if word and names[(word & 0xFF) - 1] == operand:
+        decoded = flags.decode_entry(int(plan.op_params[op_index, record.FLAG_PARAMS + e]))
+        if decoded is not None and names[decoded[0]] == operand:
             return record.FLAG_PARAMS + e
     raise AssertionError(f"{plan.ops[op_index].name} has no flagged {operand}")
 

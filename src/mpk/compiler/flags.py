@@ -69,9 +69,20 @@ def encode_entry(slot: int, writes: int, index: int) -> int:
     return (slot + 1) | (writes << 8) | (index << 20)
 
 
+def decode_entry(entry: int) -> tuple[int, int, int] | None:
+    """(operand slot, W, w) of a flag entry, or None for an unused one."""
+    entry &= 0xFFFFFFFF
+    if not entry:
+        return None
+    return (entry & 0xFF) - 1, (entry >> 8) & 0xFFF, entry >> 20
+
+
 def epoch(entry: int, step: int) -> int:
     """The epoch a flagged access of `entry` writes or expects in global step `step`."""
-    writes, index = (entry >> 8) & 0xFFF, (entry >> 20) & 0xFFF
+    decoded = decode_entry(entry)
+    if decoded is None:
+        raise ValueError("an unused flag entry has no epoch")
+    _, writes, index = decoded
     return (step * writes + index) % (1 << 31) + 1
 
 

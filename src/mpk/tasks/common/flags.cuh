@@ -64,23 +64,17 @@ struct Poll {
 };
 
 // Eight bf16 (four words at p, 16-byte aligned) carrying `epoch`, as one 16-byte vector in
-// natural order. Loads first, then checks: a caller that issues several (poll8_issue) before
-// checking them (poll8_finish) pays one L2 round trip for all, not one each.
-struct Poll8 {
-  flag_word w[4];
-};
-__device__ __forceinline__ void poll8_issue(const flag_word* p, Poll8& v) {
-  ld_flag2(p, v.w[0], v.w[1]);
-  ld_flag2(p + 2, v.w[2], v.w[3]);
-}
-__device__ __forceinline__ bool poll8_ready(const Poll8& v, uint32_t epoch) {
-  return word_epoch(v.w[0]) == epoch && word_epoch(v.w[1]) == epoch &&
-         word_epoch(v.w[2]) == epoch && word_epoch(v.w[3]) == epoch;
-}
-__device__ __forceinline__ uint4 poll8_finish(const flag_word* p, Poll8& v, uint32_t epoch,
-                                              const Poll& poll) {
-  while (!poll8_ready(v, epoch) && poll.again()) poll8_issue(p, v);
-  return make_uint4(word_pair(v.w[0]), word_pair(v.w[1]), word_pair(v.w[2]), word_pair(v.w[3]));
+// natural order: loaded until all four do.
+__device__ __forceinline__ uint4 poll8(const flag_word* p, uint32_t epoch, const Poll& poll) {
+  flag_word w0, w1, w2, w3;
+  for (;;) {
+    ld_flag2(p, w0, w1);
+    ld_flag2(p + 2, w2, w3);
+    const bool ready = word_epoch(w0) == epoch && word_epoch(w1) == epoch &&
+                       word_epoch(w2) == epoch && word_epoch(w3) == epoch;
+    if (ready || !poll.again()) break;
+  }
+  return make_uint4(word_pair(w0), word_pair(w1), word_pair(w2), word_pair(w3));
 }
 
 // One word expected to carry `epoch` (already loaded into w: reloaded until it does).

@@ -244,9 +244,7 @@ __device__ __forceinline__ void poll_stage(const Task& t, const Scratch& s, int 
     if (r < t.B && c < vpr) {
       const dev::flag_word* w = reinterpret_cast<const dev::flag_word*>(t.x) +
                                 (unsigned)(r * (t.K >> 1) + ((k0 + c * 8) >> 1));
-      dev::Poll8 v;
-      dev::poll8_issue(w, v);
-      val = dev::poll8_finish(w, v, t.x_ep, poll);
+      val = dev::poll8(w, t.x_ep, poll);
     }
     *reinterpret_cast<uint4*>(landing(s, r, c)) = val;
   }
