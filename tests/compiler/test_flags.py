@@ -3,21 +3,25 @@ and the epochs the op parameter rows carry."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from mpk.compiler import flags, record
+from mpk.compiler.fuse import fuse
 from mpk.compiler.lower import compile_graph
+from mpk.compiler.tiling import tile_graph
 from mpk.models.builder import DecodeShape, build_graph
 from mpk.models.config import get_preset
 from mpk.parallel import rank_plans
+from mpk.tasks.registry import get_kind
 
 NUM_SMS = 16
 
 
-def _plan(preset: str, batch: int = 1):
+def _plan(preset: str, batch: int = 1, max_pages: int = 64, num_sms: int = NUM_SMS):
     cfg = get_preset(preset)
-    return cfg, compile_graph(build_graph(cfg, DecodeShape(batch=batch), num_sms=NUM_SMS),
-                              NUM_SMS)
+    shape = DecodeShape(batch=batch, max_pages=max_pages)
+    return cfg, compile_graph(build_graph(cfg, shape, num_sms=num_sms), num_sms)
 
 
 def _records_by_op(plan):
@@ -33,8 +37,6 @@ def _entries(plan, op_name: str) -> dict[str, tuple[int, int]]:
     """operand -> (W, w) of the op's flag entries."""
     index = [o.name for o in plan.ops].index(op_name)
     op = plan.ops[index]
-    from mpk.tasks.registry import get_kind
-
     names = [s.name for s in get_kind(op.kind).operands]
     out = {}
     for word in plan.op_params[index, record.FLAG_PARAMS:]:
@@ -44,18 +46,22 @@ def _entries(plan, op_name: str) -> dict[str, tuple[int, int]]:
     return out
 
 
-def test_dense_model_flags_the_residual_stream_and_the_mlp_activations() -> None:
-    cfg, plan = _plan("tiny-qwen3")
+def test_dense_model_flags_the_residual_stream_and_the_layer_activations() -> None:
+    cfg, plan = _plan("tiny-qwen3")  # long contexts: the KV range is split, a merge writes attn
     flagged = {t.name for t in plan.tensors if t.flagged}
-    acts = {f"layers.{i}.act" for i in range(cfg.num_layers)}
-    assert flagged == {"hidden"} | acts
+    layers = {f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in ("act", "qkv")}
+    assert flagged == {"hidden"} | layers
+    _, plan = _plan("tiny-qwen3", max_pages=4)  # one split: attention writes attn itself
+    assert "layers.0.attn" in {t.name for t in plan.tensors if t.flagged}
     for t in plan.tensors:  # twice the bytes on the device; the interpreter's shape unchanged
         if t.flagged:
             assert t.device_nbytes == 2 * 2 * t.shape[0] * t.shape[1]
 
 
-def test_linear_consumers_of_flagged_tensors_skip_their_counter_waits() -> None:
-    cfg, plan = _plan("tiny-qwen3")
+@pytest.mark.parametrize("max_pages", [64, 4])
+def test_consumers_of_flagged_tensors_skip_their_counter_waits(max_pages: int) -> None:
+    cfg, plan = _plan("tiny-qwen3", max_pages=max_pages)
+    split = max_pages == 64  # attention writes partials, its merge attn (plain tensors)
     recs = _records_by_op(plan)
     for name, rows in recs.items():
         role = name.split(".")[-1]
@@ -64,14 +70,16 @@ def test_linear_consumers_of_flagged_tensors_skip_their_counter_waits() -> None:
             word = int(rec[record.POLLED])
             mask = word & ~record.POLLS
             assert mask < (1 << len(waits)), name  # only existing waits
-            # Every reader of hidden / act polls it, so the storer watches it (the embedding
-            # only writes hidden; attention, its merge and the sampler read plain tensors).
-            assert bool(word & record.POLLS) == (role in ("qkv", "o_proj", "gate_up", "down", "lm_head")), name
-            if role in ("qkv", "gate_up", "down", "lm_head"):
-                # Their one same-step wait is on the producer of x (hidden / act): polled.
-                same_step = [w for w, (_, _, prev) in enumerate(waits) if not prev]
+            # Every reader of hidden / act / qkv / attn polls it, so the storer watches it (the
+            # embedding only writes hidden; the merge and the sampler read plain tensors).
+            polls = ("qkv", "attention", "o_proj", "gate_up", "down", "lm_head")
+            assert bool(word & record.POLLS) == (role in polls), name
+            same_step = [w for w, (_, _, prev) in enumerate(waits) if not prev]
+            if role in polls and not (split and role == "o_proj"):
+                # Their same-step waits are on the producer of what they poll (attention: the
+                # qkv tasks of its KV head, a piece counter).
                 assert same_step and all(mask >> w & 1 for w in same_step), (name, waits, mask)
-            else:  # attention reads qkv, o_proj reads attn: plain tensors, counted waits
+            else:  # o_proj after a merge reads attn plain: counted
                 assert mask == 0, (name, waits, mask)
             for w, (_, _, prev) in enumerate(waits):
                 assert not (prev and mask >> w & 1), name  # previous-step waits always count
@@ -84,7 +92,8 @@ def test_epochs_follow_the_writes_of_each_tensor_in_program_order() -> None:
     for layer in range(cfg.num_layers):
         p = f"layers.{layer}."
         o_proj, down = 1 + 2 * layer, 2 + 2 * layer
-        assert _entries(plan, p + "qkv") == {"x": (writes, o_proj - 1)}
+        assert _entries(plan, p + "qkv") == {"x": (writes, o_proj - 1), "out": (1, 0)}
+        assert _entries(plan, p + "attention") == {"qkv": (1, 0)}  # split: partials plain
         assert _entries(plan, p + "o_proj") == {"residual": (writes, o_proj - 1),
                                                 "out": (writes, o_proj)}
         assert _entries(plan, p + "gate_up") == {"x": (writes, o_proj), "out": (1, 0)}
@@ -115,13 +124,44 @@ def test_tensor_parallel_ranks_keep_the_residual_plain() -> None:
     plan = rank_plans(get_preset("tiny-qwen3"), DecodeShape(batch=1), 2, num_sms=NUM_SMS)[0]
     flagged = {t.name for t in plan.tensors if t.flagged}
     assert "hidden" not in flagged  # the all-reduce writes it
-    assert all(name.endswith(".act") for name in flagged)
+    assert all(name.endswith((".act", ".qkv")) for name in flagged)
 
 
-@pytest.mark.parametrize(("batch", "expected"), [(1, {"hidden", "act"}), (4, {"hidden"}),
-                                                 (8, set())])
+@pytest.mark.parametrize(("batch", "expected"), [(1, {"hidden", "act", "qkv"}),
+                                                 (4, {"hidden"}), (8, set())])
 def test_tensors_over_the_byte_limit_stay_plain(batch: int, expected: set[str]) -> None:
-    _, plan = _plan("qwen3-0.6b", batch=batch)  # hidden: B x 1024 bf16, act: B x 3072
+    _, plan = _plan("qwen3-0.6b", batch=batch)  # hidden: B x 1024 bf16, act: B x 3072, qkv B x 4096
     flagged = {t.name.split(".")[-1] for t in plan.tensors if t.flagged}
     assert flagged == expected
     assert all(t.device_nbytes <= 2 * flags.FLAG_MAX_BYTES for t in plan.tensors if t.flagged)
+
+
+def test_a_partial_reader_skips_only_a_wait_on_the_tasks_it_sees_whole() -> None:
+    """Attention reads its KV head's columns of qkv: it may skip the piece counter of exactly
+    the qkv tasks that write them, never a counter of all qkv tasks (some it never sees)."""
+    cfg, plan = _plan("qwen3-0.6b", max_pages=4, num_sms=132)
+    graph = build_graph(cfg, DecodeShape(max_pages=4), num_sms=132)
+    ops = tile_graph(fuse(graph))
+    qkv, attention = (next(o for o in ops if o.op.name == f"layers.0.{n}") for n in ("qkv", "attention"))
+    tensors = frozenset({"layers.0.qkv"})
+    everything = np.arange(qkv.num_tasks)
+    assert not flags._skippable(qkv, everything, attention, tensors).any()
+    written = next(a for a in qkv.accesses if a.operand == "out").boxes  # [task, dim, lo/hi]
+    read = next(a for a in attention.accesses if a.operand == "qkv").boxes
+    head0 = np.flatnonzero(written[:, 1, 1] <= read[0, 1, 1])  # the columns of KV head 0
+    assert 0 < len(head0) < qkv.num_tasks
+    seen = flags._skippable(qkv, head0, attention, tensors)
+    assert seen[0] and seen.sum() == 1  # only head 0's task sees all of these
+    assert not flags._skippable(qkv, head0[:-1], attention, frozenset()).any()  # plain qkv
+
+
+def test_a_producer_with_plain_writes_is_waited_for_unless_its_kind_fences_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _, plan = _plan("qwen3-0.6b", max_pages=4, num_sms=132)
+    assert "layers.0.attn" in {t.name for t in plan.tensors if t.flagged}
+    o_proj = _records_by_op(plan)["layers.0.o_proj"]
+    assert all(int(rec[record.POLLED]) & 1 for rec in o_proj)  # attention fences its KV append
+    monkeypatch.setattr(get_kind("attention"), "fenced_operands", lambda op: frozenset())
+    _, plan = _plan("qwen3-0.6b", max_pages=4, num_sms=132)
+    o_proj = _records_by_op(plan)["layers.0.o_proj"]
+    assert not any(int(rec[record.POLLED]) & ~record.POLLS for rec in o_proj)

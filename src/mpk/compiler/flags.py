@@ -19,17 +19,20 @@ FLAG_MAX_BYTES, every op that touches it does so through an operand its kind lis
 TaskKind.flag_operands (pure reads or pure writes), every write covers the whole tensor, and
 every read follows a write of the same step.
 
-The CUDA controller skips a same-step wait (record.POLLED) of consumer task r of op C on a
-counter of producer op P when P writes only flagged tensors, task r reads the whole of one that
-P writes (so it sees a word of every P task, and every word P wrote: all of P's stores have
-landed when r goes on), and every other conflict with P is a write to a tensor P only reads. A
-flagged write is computed from its task's reads of whole inputs (flag_operands' contract), so
-seeing it also says those reads are done. Waits the transitive reduction dropped because a
-skipped wait implied them stay ordered the same way: P ran after its own waits were met, and
-the consumer acts only after seeing all of P's writes. A task that reads any flagged tensor has
-record.POLLS set: the CUDA storer watches it (a poll that never sees its epoch is reported).
-The records keep every wait: the interpreter, the deadlock simulation and the mutation tests see
-the same dependencies as before.
+The CUDA controller skips a same-step wait (record.POLLED) of consumer task r on counter c of
+producer op P when r, by polling, sees every word that each task signalling c wrote (each such
+task's flagged writes lie inside r's flagged reads: r reads all of a tensor, or, like attention
+reading its KV head's columns of qkv, exactly the pieces its counter counts). Seeing all of a
+task's writes then says what c's count says: that task finished. That holds when P writes
+nothing else, or only through operands its kind fences before its first flagged write
+(TaskKind.fenced_operands: attention's KV-cache append) and r touches none of those; r's other
+conflicts with P may only be writes to what the counted tasks read (a flagged write is computed
+from its task's reads of whole inputs, flag_operands' contract). Waits the transitive reduction
+dropped because c implied them stay ordered the same way: each counted task ran after its own
+waits were met, and r acts only after seeing all of its writes. A task that reads any flagged
+tensor has record.POLLS set: the CUDA storer watches it (a poll that never sees its epoch is
+reported). The records keep every wait: the interpreter, the deadlock simulation and the
+mutation tests see the same dependencies as before.
 """
 
 from __future__ import annotations
@@ -89,8 +92,7 @@ def epoch(entry: int, step: int) -> int:
 def plan_flags(graph: Graph, ops: list[TiledOp], counters: CounterPlan) -> Flags:
     capable = {op.index: op.kind.flag_operands(op.view) for op in ops}
     tensors = _flagged_tensors(graph, ops, capable)
-    shapes = {name: t.shape for name, t in graph.tensors.items()}
-    return Flags(tensors, _entries(ops, tensors), _polled(ops, counters, tensors, shapes))
+    return Flags(tensors, _entries(ops, tensors), _polled(ops, counters, tensors))
 
 
 def _polls(op: TiledOp, tensors: frozenset[str]) -> bool:
@@ -149,55 +151,73 @@ def _entries(ops: list[TiledOp], tensors: frozenset[str]) -> dict[int, tuple[int
     return entries
 
 
-def _polled(ops: list[TiledOp], counters: CounterPlan, tensors: frozenset[str],
-            shapes: dict[str, tuple[int, ...]]) -> list[int]:
+def _polled(ops: list[TiledOp], counters: CounterPlan, tensors: frozenset[str]) -> list[int]:
     owner: dict[int, int] = {}  # counter -> producer op
+    members: dict[int, list[int]] = {}  # counter -> its producers' local task indices
     op_of_task: list[int] = []
     for op in ops:
         for local in range(op.num_tasks):
             for c in counters.signals[op.first_task + local]:
                 owner[c] = op.index
+                members.setdefault(c, []).append(local)
             op_of_task.append(op.index)
-    pairs: dict[tuple[int, int], np.ndarray] = {}
+    skippable: dict[tuple[int, int], np.ndarray] = {}
     polled = []
     for task, waits in enumerate(counters.waits):
         consumer = ops[op_of_task[task]]
         mask = record.POLLS if _polls(consumer, tensors) else 0
         for w, (c, _count, prev) in enumerate(waits):
-            producer = owner[c]
-            if prev or producer == consumer.index:
+            producer = ops[owner[c]]
+            if prev or producer.index == consumer.index:
                 continue
-            key = (producer, consumer.index)
-            if key not in pairs:
-                pairs[key] = _skippable(ops[producer], consumer, tensors, shapes)
-            if pairs[key][task - consumer.first_task]:
+            key = (consumer.index, c)
+            if key not in skippable:
+                skippable[key] = _skippable(producer, np.array(members[c]), consumer, tensors)
+            if skippable[key][task - consumer.first_task]:
                 mask |= 1 << w
         polled.append(mask)
     return polled
 
 
-def _skippable(producer: TiledOp, consumer: TiledOp, tensors: frozenset[str],
-               shapes: dict[str, tuple[int, ...]]) -> np.ndarray:
-    """bool per consumer task: may it skip its counter waits on `producer` (module doc)?"""
-    bad = np.zeros(consumer.num_tasks, dtype=bool)
-    if any(ap.access.writes and ap.tensor not in tensors for ap in producer.accesses):
-        return bad
-    sees_all = np.zeros(consumer.num_tasks, dtype=bool)
+def _skippable(producer: TiledOp, counted: np.ndarray, consumer: TiledOp,
+               tensors: frozenset[str]) -> np.ndarray:
+    """bool per consumer task: may it skip a wait on the counter of `producer`'s tasks `counted`
+    (local indices) because it sees all their writes (module doc)?"""
+    fenced = producer.kind.fenced_operands(producer.view)
+    none = np.zeros(consumer.num_tasks, dtype=bool)
+    if any(ap.access.writes and ap.tensor not in tensors and ap.operand not in fenced
+           for ap in producer.accesses):
+        return none
+    sees = np.ones((consumer.num_tasks, len(counted)), dtype=bool)
+    wrote = np.zeros(len(counted), dtype=bool)
+    bad = none.copy()
     for ap in producer.accesses:
+        boxes = ap.boxes[counted]
+        if ap.access.writes and ap.tensor in tensors:
+            written = (boxes[..., 1] > boxes[..., 0]).all(axis=-1)  # [counted]
+            inside = np.zeros_like(sees)
+            for ac in consumer.accesses:
+                if ac.tensor == ap.tensor and ac.access is Access.READ:
+                    inside |= _contains(ac.boxes, boxes)
+            sees &= inside | ~written[None]
+            wrote |= written
         for ac in consumer.accesses:
             if ap.tensor != ac.tensor or not (ap.access.writes or ac.access.writes):
                 continue
-            m = boxes_overlap(ap.boxes, ac.boxes)  # [consumer tasks, producer tasks]
-            if ap.access is Access.WRITE and ac.access is Access.READ:
-                whole = _covers(ac.boxes, shapes[ac.tensor])  # the flagged words r polls
-                sees_all |= whole
-                bad |= m.any(axis=1) & ~whole
-            elif not (ap.access is Access.READ and ac.access.writes):
-                bad |= m.any(axis=1)
-    return ~bad & sees_all
+            if ap.tensor in tensors and ap.access is Access.WRITE and ac.access is Access.READ:
+                continue  # the polled words: `sees`
+            if ap.access is Access.READ and ac.access.writes:
+                boxes = ap.boxes  # a write over what uncounted tasks read: not ordered here
+                counted_only = np.zeros(producer.num_tasks, dtype=bool)
+                counted_only[counted] = True
+                bad |= (boxes_overlap(boxes, ac.boxes) & ~counted_only[None]).any(axis=1)
+            else:
+                bad |= boxes_overlap(ap.boxes, ac.boxes).any(axis=1)
+    return ~bad & sees.all(axis=1) & bool(wrote.all())
 
 
-def _covers(boxes: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """bool per task: does its box cover the whole tensor?"""
-    whole = np.array([[0, n] for n in shape], dtype=boxes.dtype)
-    return (boxes == whole[None]).all(axis=(1, 2))
+def _contains(outer: np.ndarray, inner: np.ndarray) -> np.ndarray:
+    """bool [len(outer), len(inner)]: does box outer[i] contain box inner[j]?"""
+    lo = outer[:, None, :, 0] <= inner[None, :, :, 0]
+    hi = inner[None, :, :, 1] <= outer[:, None, :, 1]
+    return np.all(lo & hi, axis=-1)

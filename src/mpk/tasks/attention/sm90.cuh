@@ -41,6 +41,7 @@
 #include <stdint.h>
 
 #include "../common/bf16.cuh"
+#include "../common/flags.cuh"
 #include "../common/memory.cuh"
 #include "../common/reduce.cuh"
 #include "../common/rope.cuh"
@@ -66,6 +67,10 @@ struct Ctx {
   const int *pt, *pos, *runs;
   bf16 *kc, *vc, *out;
   float *po, *plse;
+  const dev::flag_word* qkv_words;  // a flagged qkv / out's tile as words (common/flags.cuh)
+  dev::flag_word* out_words;
+  uint32_t qkv_ep, out_ep;  // their epochs (0: plain)
+  bool fence;  // out is flagged and this task appended to the cache: fence before writing out
 };
 
 // Shared memory (one (row, head) at a time):
@@ -93,6 +98,20 @@ struct Layout {
   }
 };
 
+// A flagged qkv: this KV head's columns of every row polled into wo (free until attend) as bf16
+// rows of W = (G+2)*D, one 16-byte vector (four words) a thread, so that prepare reads shared
+// memory where it reads global memory otherwise (task.py keeps B*(G+2) <= 16*kWarps: it fits).
+// Polling inside prepare's loads kept twice their registers live there and spilled.
+__device__ __forceinline__ void stage_flagged_qkv(const Ctx& c, const Layout& L, char* smem) {
+  const int W = c.G + 2, vecs = W * c.D / 8;  // per row
+  uint4* dst = reinterpret_cast<uint4*>(smem + L.wo);
+  const dev::Poll poll;
+  for (int idx = threadIdx.x; idx < c.B * vecs; idx += NUM_THREADS) {
+    const int r = idx / vecs, v = idx - r * vecs;
+    dst[idx] = dev::poll8(c.qkv_words + (long long)r * c.KVH * W * c.D / 2 + v * 4, c.qkv_ep, poll);
+  }
+}
+
 // ---- phase 1: prepare q of the task's row and k, v of this step's positions [flo, fhi) ------
 // The key and value of position f come from row c.row - (p - f) (the run's earlier rows hold
 // the positions before p). Returns through smem; the row's own key and value also go to the
@@ -110,8 +129,12 @@ __device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* sme
     const bool query = j < c.G;
     const int f = query ? p : flo + (j - c.G) / 2;  // the vector's position
     const int which = query ? j : c.G + ((j - c.G) & 1);  // q head, key (G) or value (G + 1)
-    const bf16* src = c.qkv + ((long long)(c.row - (p - f)) * c.KVH + hh) * W * c.D +
-                      (long long)which * c.D;
+    const bool staged = c.qkv_ep != 0;  // a flagged qkv was polled into wo
+    const bf16* src =
+        staged ? reinterpret_cast<const bf16*>(smem + L.wo) +
+                     ((long long)(c.row - (p - f)) * W + which) * c.D
+               : c.qkv + ((long long)(c.row - (p - f)) * c.KVH + hh) * W * c.D +
+                     (long long)which * c.D;
     const bool own = f == p && crow >= 0;
     // Each vector's elements are loaded before any is used. (A use right after each load, a
     // bf16 -> f32 shift or a store that may alias the next load, made kLanes L2 round trips in a
@@ -119,7 +142,7 @@ __device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* sme
     if (which == c.G + 1) {  // value: as is, 4 elements (8 bytes) a lane: one load at D <= 128
       bf16* dst = vnew + (f - flo) * c.D;
       for (int e = 4 * lane; e < c.D; e += 128) {  // D % 16 == 0 (supported): 8-byte aligned
-        const uint2 v = dev::ld_act_v2(src + e);
+        const uint2 v = staged ? *reinterpret_cast<const uint2*>(src + e) : dev::ld_act_v2(src + e);
         *reinterpret_cast<uint2*>(dst + e) = v;
         if (own) *reinterpret_cast<uint2*>(c.vc + (crow + hh) * c.D + e) = v;
       }
@@ -135,7 +158,8 @@ __device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* sme
       v[i] = cs[i] = sn[i] = 0.f;
       w[i] = 1.f;
       if (e < c.D) {
-        v[i] = __uint_as_float(dev::ld_act_u16(src + e));  // raw bits: shifted below
+        const uint32_t bits = staged ? __bfloat16_as_ushort(src[e]) : dev::ld_act_u16(src + e);
+        v[i] = __uint_as_float(bits);  // raw bits: shifted below
         const int r = e < half ? e : e - half;
         cs[i] = rrow[r];
         sn[i] = rrow[half + r];
@@ -376,28 +400,50 @@ __device__ __forceinline__ void attend(const mpk::TaskArgs& a, const Ctx& c, con
   a.mark(1);  // profiling: every warp's positions are attended (the last pass's mark stays)
 
   // ---- merge the warps (fixed order) and write ----
-  for (int idx = tid; idx < ng * D; idx += NUM_THREADS) {
-    const int g = idx / D, d = idx - g * D;
-    float mstar = kNegBig;
+  // Head g's running max and sum over the warps, then column d's value (0 for an empty head).
+  auto head_state = [&](int g, float& mstar, float& lsum) {
+    mstar = kNegBig;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) mstar = fmaxf(mstar, wm[w * 8 + g]);
-    float lsum = 0.f, osum = 0.f;
+    lsum = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float f = exp2f(wm[w * 8 + g] - mstar);
-      lsum += wl[w * 8 + g] * f;
-      osum += wo[(w * 8 + g) * D + d] * f;
+    for (int w = 0; w < kWarps; ++w) lsum += wl[w * 8 + g] * exp2f(wm[w * 8 + g] - mstar);
+  };
+  auto column = [&](int g, int d, float mstar, float lsum) -> float {
+    float osum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) osum += wo[(w * 8 + g) * D + d] * exp2f(wm[w * 8 + g] - mstar);
+    return lsum > 0.f ? osum / lsum : 0.f;
+  };
+  const long long head0 = (((long long)bb * c.KVH + hh) * c.G + g0) * D;  // out's element
+  if (c.out_ep) {  // flagged out: one word per pair of columns
+    const int half = D / 2;
+    // The cache append (other warps, before the barrier above) is made visible before any word
+    // that lets a consumer count this task as finished (compiler/flags.py: fenced operands).
+    if (c.fence && tid < ng * half) mpk::ptx::fence_acq_rel_gpu();
+    dev::flag_word* words = c.out_words + head0 / 2;
+    for (int idx = tid; idx < ng * half; idx += NUM_THREADS) {
+      const int g = idx / half, d = 2 * (idx - g * half);
+      float mstar, lsum;
+      head_state(g, mstar, lsum);
+      const uint32_t pair = dev::pack_bf16x2(column(g, d, mstar, lsum),
+                                             column(g, d + 1, mstar, lsum));
+      dev::st_flag(words + (long long)g * half + d / 2, dev::make_flag_word(pair, c.out_ep));
     }
-    const bool empty = !(lsum > 0.f);
-    const float val = empty ? 0.f : osum / lsum;
-    if (c.S == 1) {
-      c.out[((long long)bb * c.KVH + hh) * c.G * D + (long long)(g0 + g) * D + d] =
-          dev::to_bf16(val);
-    } else {
-      c.po[((long long)bb * c.KVH + hh) * c.S * c.G * D + (long long)(g0 + g) * D + d] = val;
-      if (d == 0)
-        c.plse[((long long)bb * c.KVH + hh) * c.S * c.G + g0 + g] =
-            empty ? -__int_as_float(0x7f800000) : (mstar + __log2f(lsum)) * kLn2;
+  } else {
+    for (int idx = tid; idx < ng * D; idx += NUM_THREADS) {
+      const int g = idx / D, d = idx - g * D;
+      float mstar, lsum;
+      head_state(g, mstar, lsum);
+      const float val = column(g, d, mstar, lsum);
+      if (c.S == 1) {
+        c.out[head0 + (long long)g * D + d] = dev::to_bf16(val);
+      } else {
+        c.po[((long long)bb * c.KVH + hh) * c.S * c.G * D + (long long)(g0 + g) * D + d] = val;
+        if (d == 0)
+          c.plse[((long long)bb * c.KVH + hh) * c.S * c.G + g0 + g] =
+              lsum > 0.f ? (mstar + __log2f(lsum)) * kLn2 : -__int_as_float(0x7f800000);
+      }
     }
   }
   mpk::task_sync();  // smem is reused by the next pass
@@ -447,6 +493,12 @@ __device__ __forceinline__ bool row_setup(const Ctx& c, const Layout& L, char* s
 // A row outside the rope table: zeros (or empty partials), nothing appended.
 __device__ __forceinline__ void write_empty(const Ctx& c, int bb, int hh) {
   const int GD = c.G * c.D;
+  if (c.out_ep) {  // no cache append on this path: nothing to fence
+    dev::flag_word* words = c.out_words + ((long long)bb * c.KVH + hh) * GD / 2;
+    for (int idx = threadIdx.x; idx < GD / 2; idx += NUM_THREADS)
+      dev::st_flag(words + idx, dev::make_flag_word(0u, c.out_ep));
+    return;
+  }
   for (int idx = threadIdx.x; idx < GD; idx += NUM_THREADS) {
     if (c.S == 1) {
       c.out[((long long)bb * c.KVH + hh) * GD + idx] = dev::to_bf16(0.f);
@@ -485,6 +537,11 @@ __device__ __forceinline__ Ctx ctx_of(const mpk::TaskArgs& a) {
   c.out = a.operand<bf16>(O_OUT);
   c.po = a.operand<float>(O_PART_O);
   c.plse = a.operand<float>(O_PART_LSE);
+  c.qkv_ep = dev::flag_epoch(a, O_QKV);
+  c.out_ep = dev::flag_epoch(a, O_OUT);
+  c.qkv_words = dev::flag_operand<const dev::flag_word>(a, O_QKV);
+  c.out_words = dev::flag_operand<dev::flag_word>(a, O_OUT);
+  c.fence = false;
   return c;
 }
 
@@ -522,7 +579,7 @@ MPK_TASK_ENTRY void prologue(const mpk::TaskArgs& a) {
 
 MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   using namespace detail;
-  const Ctx c = ctx_of(a);
+  Ctx c = ctx_of(a);
   if (!supported(c)) return;
   // One KV head and one batch row per task (task.py: grid (KVH, B, S)).
   const Layout L(c);
@@ -532,6 +589,11 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
     return;
   }
   const Range& R = st.R;
+  c.fence = c.out_ep && st.crow >= 0;
+  if (c.qkv_ep) {
+    stage_flagged_qkv(c, L, a.smem);
+    mpk::task_sync();
+  }
   prepare(c, L, a.smem, 0, st.p, R.flo, max(R.flo, R.hi), st.crow, st.f0);
   mpk::task_sync();  // queries, this step's keys and values
   a.mark(0);  // profiling: the inputs are prepared

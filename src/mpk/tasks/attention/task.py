@@ -77,6 +77,23 @@ class Attention(TaskKind):
     # sm90.cuh sizes its register arrays for heads up to this: 128, or 256 when a plan needs it
     cuda_defaults = {"ATTN_MAX_HEAD_DIM": 128}
 
+    def flag_operands(self, op: OpView) -> frozenset[str]:
+        # qkv's words of the task's KV head (every row) are polled into the warps' output
+        # buffer (8 warps x 8 heads x D f32: B x (G+2) rows of D bf16 must fit) before prepare;
+        # out is written in pairs of columns after the last K/V read, in one pass over at most
+        # 8 query heads (a second pass would write out before its own reads).
+        p = self.param_values(op)
+        names = set()
+        if p["batch"] * (p["group"] + 2) <= 128:
+            names.add("qkv")
+        if p["group"] <= 8:
+            names.add("out")
+        return frozenset(names)
+
+    def fenced_operands(self, op: OpView) -> frozenset[str]:
+        # The KV append is fenced before a flagged out's first word (sm90.cuh, the merge).
+        return frozenset({"k_cache", "v_cache"})
+
     def cuda_constants(self, op: OpView) -> dict[str, int]:
         return {"ATTN_MAX_HEAD_DIM": 128 if op.shape("k_cache")[3] <= 128 else MAX_HEAD_DIM}
 

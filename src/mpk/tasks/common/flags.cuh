@@ -27,6 +27,15 @@ __device__ __forceinline__ uint32_t flag_epoch(const mpk::TaskArgs& a, int slot)
   return 0u;
 }
 
+// A flagged operand's tile as words: the record's tile offset counts elements, two a word (the
+// offsets of flagged tiles are even), where TaskArgs::operand would count it in T.
+template <class W>
+__device__ __forceinline__ W* flag_operand(const mpk::TaskArgs& a, int slot) {
+  if (!a.has(slot)) return nullptr;
+  const long long off = a.operand<const char>(slot) - reinterpret_cast<const char*>(a.base[slot]);
+  return reinterpret_cast<W*>(a.base[slot]) + off / 2;
+}
+
 __device__ __forceinline__ flag_word make_flag_word(uint32_t pair, uint32_t epoch) {
   return static_cast<flag_word>(pair) | (static_cast<flag_word>(epoch) << 32);
 }
