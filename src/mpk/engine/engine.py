@@ -85,7 +85,7 @@ class EngineConfig:
         pool's (the serving engine's one-row plan) rounds every row as the pool's own plan
         (DecodeShape.numerics_batch), so a request's tokens do not depend on which of the two
         ran it; a plan of more rows (prefill_rows) rounds as itself: a larger batch's staged
-        input does not fit a smaller one's chunks."""
+        input may not fit a smaller one's chunks."""
         rows = pool_rows or batch
         return DecodeShape(batch=batch, steps_per_launch=self.steps_per_launch,
                            page_size=self.page_size, max_pages=self.max_pages,
