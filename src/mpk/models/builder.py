@@ -100,7 +100,8 @@ def choose_split(rows: int, target_tasks: int, multiple: int = 8) -> int:
 
 def spread(outputs: int, num_sms: int, k: int, batch: int, align: int = 8) -> int:
     """Tasks for a linear over `outputs` rows of K = k: one per SM, and whole waves of num_sms
-    more when a chunked input needs smaller tasks (linear.min_tasks); then the fewest tasks that
+    more when a chunked input needs smaller tasks (linear.min_tasks, at `batch`: the plan's
+    numerics batch, whose chunk chunk_k the linear takes as its attr xc); then the fewest tasks that
     keep the largest task's row groups (pieces of `align` rows), so the tasks are as even as that
     allows. The largest task sets the op's phase, and a task one row group short of it is not
     faster: qwen3-0.6b's qkv (512 row groups) as 132 tasks gave 16 of them 3 row groups, walked
