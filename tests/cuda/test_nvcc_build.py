@@ -131,13 +131,19 @@ def test_header_edit_changes_the_build_key(tmp_path: Path) -> None:
     assert build.build_key(source, "sm_90a", includes, (), nvcc) != key1
 
 
-def test_qwen3_0_6b_megakernel_compiles_clean(cache_root: Path) -> None:
-    """The megakernel exactly as `mpk generate --model qwen3-0.6b --backend cuda` builds it."""
+@pytest.mark.parametrize("lone", [False, True])
+def test_qwen3_0_6b_megakernel_compiles_clean(cache_root: Path, lone: bool) -> None:
+    """The megakernel exactly as `mpk generate --model qwen3-0.6b --backend cuda` builds it, and
+    the serving engine's one-row plan beside 16 slots (`mpk bench --serving`'s 384 positions):
+    its linears and KV splits are the 16-row plan's, without attention_merge."""
     from mpk.compiler.lower import compile_graph
+    from mpk.engine import EngineConfig
     from mpk.models.builder import DecodeShape, build_graph
     from mpk.models.config import get_preset
 
-    plan = compile_graph(build_graph(get_preset("qwen3-0.6b"), DecodeShape(batch=1)), 132)
+    shape = EngineConfig(max_seq_len=384).decode_shape(1, 16) if lone else DecodeShape(batch=1)
+    plan = compile_graph(build_graph(get_preset("qwen3-0.6b"), shape), 132)
+    assert ("attention_merge" in plan.kinds) != lone
     result = build.build_plan(plan, arch="sm_90a", cache_root=cache_root)
     assert_clean(result)
     assert set(plan.kinds) <= set(all_kinds())

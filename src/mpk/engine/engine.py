@@ -81,10 +81,16 @@ class EngineConfig:
 
     def decode_shape(self, batch: int, pool_rows: int | None = None) -> DecodeShape:
         """The compile-time sizes for `batch` rows on a KV pool of `pool_rows` (default: batch)
-        rows' pages: every row may fill its whole page table."""
+        rows' pages: every row may fill its whole page table. A plan of fewer rows than the
+        pool's (the serving engine's one-row plan) rounds every row as the pool's own plan
+        (DecodeShape.numerics_batch), so a request's tokens do not depend on which of the two
+        ran it; a plan of more rows (prefill_rows) rounds as itself: a larger batch's staged
+        input may not fit a smaller one's chunks."""
+        rows = pool_rows or batch
         return DecodeShape(batch=batch, steps_per_launch=self.steps_per_launch,
                            page_size=self.page_size, max_pages=self.max_pages,
-                           num_pages=(pool_rows or batch) * self.max_pages)
+                           num_pages=rows * self.max_pages,
+                           numerics_batch=rows if rows > batch else None)
 
 
 @dataclass

@@ -22,8 +22,10 @@ step at its position len(prompt) - 1 + j. An unused row runs on a page table of 
 entries: it writes no KV and its tokens are dropped. A request's tokens depend only on its own
 prompt (and seed) up to rounding: which plan and rows feed a position depends on what runs
 beside it, and plans may round differently (the interpreter's matmuls by row count, the two
-attention kinds, the KV splits of plans of different batch), so at a real near-tie a greedy
-token may flip.
+attention kinds, a wider plan's KV splits and linear chunks), so at a real near-tie a greedy
+token may flip. On the GPU the one-row plan rounds every row as the slots' plan
+(EngineConfig.decode_shape: DecodeShape.numerics_batch), so decoding alone or beside others
+gives the same tokens.
 """
 
 from __future__ import annotations

@@ -11,6 +11,11 @@ SM (contiguous row ranges, linear/geometry.py). A mixture-of-experts layer's MLP
 Weights use graph names; `graph_weights` turns Hugging Face tensors into them (fused QKV grouped
 per KV head, stacked gate/up, the RoPE table).
 
+A plan rounds every row as a plan of DecodeShape.numerics_rows rows (its batch unless told
+otherwise): attention's KV split count and each linear's tasks and input chunk (attr xc) are
+chosen for that batch, since they set the order of a row's sums; the grids' row axes stay the
+plan's own (tests/engine/test_lone_plan_numerics.py lists what sets the order, kind by kind).
+
 With `tp` (mpk.parallel.TensorParallel) both build ONE RANK's share of a tensor-parallel model:
 its KV heads and MLP columns, and o_proj / down_proj writing an f32 partial that an `allreduce`
 op sums over the ranks (adding the residual once). tp=None builds exactly the single-GPU graph.
@@ -30,7 +35,7 @@ from mpk.models import decode_io as io
 from mpk.models.config import ModelConfig
 from mpk.models.moe import check_no_tp, moe_block, moe_weights
 from mpk.models.rope import rope_table
-from mpk.tasks.linear.task import MAX_BATCH, min_tasks
+from mpk.tasks.linear.task import MAX_BATCH, chunk_k, min_tasks
 from mpk.tensors import Role
 
 if TYPE_CHECKING:  # models/ stays below parallel/: the builder only calls tp's methods
@@ -49,6 +54,12 @@ class DecodeShape:
     page_size: int = 16
     max_pages: int = 64  # per sequence: max sequence length = max_pages * page_size
     num_pages: int = 64  # per layer, shared by all rows
+    # The batch whose plan this one rounds as (None: batch): the choices that set the order of a
+    # row's sums (attention's KV splits, each linear's tasks and input chunks) are made for it.
+    # The serving engine's one-row plan takes its max_batch, so a lone request's tokens equal
+    # what the max_batch plan beside it would give. At least batch: a plan's input chunks are
+    # sized for its numerics batch's staged rows, which must hold its own.
+    numerics_batch: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.batch <= MAX_BATCH:
@@ -56,10 +67,19 @@ class DecodeShape:
                                    f"step")
         if min(self.steps_per_launch, self.page_size, self.max_pages, self.num_pages) <= 0:
             raise UnsupportedError(f"invalid decode shape {self}")
+        if not self.batch <= self.numerics_rows <= MAX_BATCH:
+            raise UnsupportedError(f"numerics_batch {self.numerics_batch}: a plan of "
+                                   f"{self.batch} rows rounds as a plan of {self.batch} to "
+                                   f"{MAX_BATCH} rows")
 
     @property
     def max_seq_len(self) -> int:
         return self.max_pages * self.page_size
+
+    @property
+    def numerics_rows(self) -> int:
+        """The batch the order-setting choices are made for (numerics_batch, or batch)."""
+        return self.batch if self.numerics_batch is None else self.numerics_batch
 
 
 def choose_split(rows: int, target_tasks: int, multiple: int = 8) -> int:
@@ -80,7 +100,8 @@ def choose_split(rows: int, target_tasks: int, multiple: int = 8) -> int:
 
 def spread(outputs: int, num_sms: int, k: int, batch: int, align: int = 8) -> int:
     """Tasks for a linear over `outputs` rows of K = k: one per SM, and whole waves of num_sms
-    more when a chunked input needs smaller tasks (linear.min_tasks); then the fewest tasks that
+    more when a chunked input needs smaller tasks (linear.min_tasks, at `batch`: the plan's
+    numerics batch, whose chunk chunk_k the linear takes as its attr xc); then the fewest tasks that
     keep the largest task's row groups (pieces of `align` rows), so the tasks are as even as that
     allows. The largest task sets the op's phase, and a task one row group short of it is not
     faster: qwen3-0.6b's qkv (512 row groups) as 132 tasks gave 16 of them 3 row groups, walked
@@ -99,7 +120,7 @@ def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = DEFAULT_NUM
         tp.check(cfg)
         check_no_tp(cfg)
     g = Graph()
-    b, h, d = shape.batch, cfg.hidden_size, cfg.head_dim
+    b, nb, h, d = shape.batch, shape.numerics_rows, cfg.hidden_size, cfg.head_dim
     g.add_tensor(io.PROMPT, (shape.steps_per_launch, b), I32, Role.IO)
     g.add_tensor(io.POSITIONS, (b,), I32, Role.IO)
     g.add_tensor(io.PAGE_TABLE, (b, shape.max_pages), I32, Role.IO)
@@ -116,7 +137,8 @@ def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = DEFAULT_NUM
         _attention_block(g, cfg, shape, num_sms, layer, tp)
         if cfg.is_moe_layer(layer):
             moe_block(g, cfg, shape.batch, num_sms, layer,
-                      spread(cfg.num_experts, num_sms, cfg.hidden_size, shape.batch))
+                      spread(cfg.num_experts, num_sms, cfg.hidden_size, nb),
+                      chunk_k(nb, cfg.hidden_size))
         else:
             _mlp_block(g, cfg, shape, num_sms, layer, tp)
     _lm_head(g, cfg, shape, num_sms)
@@ -124,30 +146,32 @@ def build_graph(cfg: ModelConfig, shape: DecodeShape, num_sms: int = DEFAULT_NUM
 
 
 def _lm_head(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int) -> None:
-    lm_head(g, cfg, shape.batch, num_sms, "hidden", io.POSITIONS, io.RUNS)
+    lm_head(g, cfg, shape.batch, num_sms, "hidden", io.POSITIONS, io.RUNS, shape.numerics_rows)
 
 
 def lm_head(g: Graph, cfg: ModelConfig, batch: int, num_sms: int, hidden: str,
-            positions: str, runs: str | None) -> None:
+            positions: str, runs: str | None, numerics_batch: int | None = None) -> None:
     """Final norm of `hidden` [batch, H] (fused into lm_head's prologue by the compiler), lm_head
     with the argmax of each task's slice in its epilogue (or, for rows that sample, of logits / T
     + Gumbel noise at the row's position), and the reduction to one token per row into TOKENS /
-    TOKENS_OUT (which, for rows with top-k / top-p, selects from the logits)."""
+    TOKENS_OUT (which, for rows with top-k / top-p, selects from the logits). lm_head's tasks
+    and input chunk follow `numerics_batch` (default: batch; DecodeShape.numerics_batch)."""
     b, h = batch, cfg.hidden_size
+    nb = batch if numerics_batch is None else numerics_batch
     g.add_tensor("final_norm", (h,), BF16, Role.WEIGHT)
     g.add_tensor("lm_head", (cfg.vocab_size, h), BF16, Role.WEIGHT)
     g.add_tensor("final_hidden", (b, h), BF16, Role.ACTIVATION)
     g.add_tensor("logits", (b, cfg.vocab_size), F32, Role.ACTIVATION)
     g.add_op("rmsnorm", "final_norm", (1,), {"x": hidden, "weight": "final_norm",
                                              "out": "final_hidden"}, eps=cfg.rms_eps)
-    tiles = spread(cfg.vocab_size, num_sms, h, b)
+    tiles = spread(cfg.vocab_size, num_sms, h, nb)
     g.add_tensor("argmax_val", (b, tiles), F32, Role.ACTIVATION)
     g.add_tensor("argmax_idx", (b, tiles), I32, Role.ACTIVATION)
     where = {"sampling": io.SAMPLING, "positions": positions, **({"runs": runs} if runs else {})}
     g.add_op("linear", "lm_head", (tiles,), {"x": "final_hidden", "weight": "lm_head",
                                              "out": "logits", "part_val": "argmax_val",
                                              "part_idx": "argmax_idx", **where},
-             epilogue="argmax")
+             epilogue="argmax", xc=chunk_k(nb, h))
     g.add_op("argmax_reduce", "sample", (b,), {"part_val": "argmax_val", "part_idx": "argmax_idx",
                                                "tokens": io.TOKENS, "tokens_out": io.TOKENS_OUT,
                                                "logits": "logits", **where})
@@ -156,7 +180,7 @@ def lm_head(g: Graph, cfg: ModelConfig, batch: int, num_sms: int, hidden: str,
 def _attention_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int,
                      layer: int, tp: TensorParallel | None = None) -> None:
     p = f"layers.{layer}."
-    b, h, d = shape.batch, cfg.hidden_size, cfg.head_dim
+    b, nb, h, d = shape.batch, shape.numerics_rows, cfg.hidden_size, cfg.head_dim
     # This rank's KV heads (all of them without tp); their query heads come along (GQA groups).
     kvh = cfg.num_kv_heads if tp is None else tp.local_kv_heads(cfg)
     group = cfg.group
@@ -172,8 +196,9 @@ def _attention_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: in
     g.add_tensor(p + "attn", (b, kvh * group * d), BF16, Role.ACTIVATION)
     g.add_op("rmsnorm", p + "input_norm", (1,), {"x": "hidden", "weight": p + "input_norm",
                                                  "out": p + "x_norm"}, eps=cfg.rms_eps)
-    g.add_op("linear", p + "qkv", (spread(width, num_sms, h, b),),
-             {"x": p + "x_norm", "weight": p + "qkv_weight", "out": p + "qkv"})
+    g.add_op("linear", p + "qkv", (spread(width, num_sms, h, nb),),
+             {"x": p + "x_norm", "weight": p + "qkv_weight", "out": p + "qkv"},
+             xc=chunk_k(nb, h))
     _attention(g, cfg, shape, num_sms, p, layer, kvh)
     _row_linear(g, shape, cfg, tp, num_sms, p + "o_proj", p + "attn", p + "o_weight",
                 p + "attn_partial", p + "attn_allreduce")
@@ -183,8 +208,10 @@ def _attention(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int, p: 
                layer: int, kvh: int) -> None:
     b, group, d = shape.batch, cfg.group, cfg.head_dim
     # Split the KV range only when contexts can be long: each split adds a merge phase, which
-    # costs more than it saves below a few hundred positions per (row, KV head).
-    splits = max(1, min(16, num_sms // (kvh * b), shape.max_pages,
+    # costs more than it saves below a few hundred positions per (row, KV head). The count sets
+    # the order of a row's softmax sums (a split's positions, then the merge's sum over the
+    # splits), so it is the numerics batch's; the grid's rows stay this plan's.
+    splits = max(1, min(16, num_sms // (kvh * shape.numerics_rows), shape.max_pages,
                         -(-shape.max_seq_len // SPLIT_POSITIONS)))
     ops = {"qkv": p + "qkv", "rope": "rope", "positions": io.POSITIONS, "runs": io.RUNS,
            "page_table": io.PAGE_TABLE, "k_cache": io.k_cache(layer),
@@ -208,7 +235,7 @@ def _attention(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int, p: 
 def _mlp_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int, layer: int,
                tp: TensorParallel | None = None) -> None:
     p = f"layers.{layer}."
-    b, h = shape.batch, cfg.hidden_size
+    b, nb, h = shape.batch, shape.numerics_rows, cfg.hidden_size
     inter = cfg.intermediate_size if tp is None else tp.local_intermediate(cfg)
     g.add_tensor(p + "post_norm", (h,), BF16, Role.WEIGHT)
     g.add_tensor(p + "gate_up_weight", (2, inter, h), BF16, Role.WEIGHT)
@@ -217,9 +244,9 @@ def _mlp_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int, lay
     g.add_tensor(p + "act", (b, inter), BF16, Role.ACTIVATION)
     g.add_op("rmsnorm", p + "post_norm", (1,), {"x": "hidden", "weight": p + "post_norm",
                                                 "out": p + "mlp_norm"}, eps=cfg.rms_eps)
-    g.add_op("linear", p + "gate_up", (spread(inter, num_sms, h, b, 4),),
+    g.add_op("linear", p + "gate_up", (spread(inter, num_sms, h, nb, 4),),
              {"x": p + "mlp_norm", "weight": p + "gate_up_weight", "out": p + "act"},
-             epilogue="silu_mul")
+             epilogue="silu_mul", xc=chunk_k(nb, h))
     _row_linear(g, shape, cfg, tp, num_sms, p + "down", p + "act", p + "down_weight",
                 p + "mlp_partial", p + "mlp_allreduce")
 
@@ -228,11 +255,11 @@ def _row_linear(g: Graph, shape: DecodeShape, cfg: ModelConfig, tp: TensorParall
                 num_sms: int, name: str, x: str, weight: str, partial: str, reduce: str) -> None:
     """hidden += x @ weight^T: in place on one GPU; with tp, this rank's K slice writes an f32
     partial and `allreduce` adds the sum of all ranks' partials (and the residual, once)."""
-    h = cfg.hidden_size
+    h, nb, k = cfg.hidden_size, shape.numerics_rows, g.tensors[x].shape[-1]
     if tp is None:
-        k = g.tensors[x].shape[-1]
-        g.add_op("linear", name, (spread(h, num_sms, k, shape.batch),),
-                 {"x": x, "weight": weight, "residual": "hidden", "out": "hidden"})
+        g.add_op("linear", name, (spread(h, num_sms, k, nb),),
+                 {"x": x, "weight": weight, "residual": "hidden", "out": "hidden"},
+                 xc=chunk_k(nb, k))
         return
     # f32, unrounded: the ranks' partials must sum to the full fp32 product, which allreduce then
     # rounds once, as the single-rank linear does (bf16 partials would round G times).
@@ -240,7 +267,8 @@ def _row_linear(g: Graph, shape: DecodeShape, cfg: ModelConfig, tp: TensorParall
     # tile i of every rank.
     tiles = choose_split(h, num_sms)
     g.add_tensor(partial, (shape.batch, h), F32, Role.ACTIVATION)
-    g.add_op("linear", name, (tiles,), {"x": x, "weight": weight, "out": partial})
+    g.add_op("linear", name, (tiles,), {"x": x, "weight": weight, "out": partial},
+             xc=chunk_k(nb, k))
     g.add_op("allreduce", reduce, (tiles,), {"partial": partial, "residual": "hidden",
                                              "out": "hidden"}, ranks=tp.size)
 

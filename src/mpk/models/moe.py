@@ -40,26 +40,31 @@ def expert_slots(cfg: ModelConfig, batch: int) -> int:
 
 
 def add_router(g: Graph, p: str, x: str, norm_weight: str, gate: str, x_norm: str, ids: str,
-               weights: str, *, eps: float, renormalize: bool, gate_tasks: int) -> None:
+               weights: str, *, eps: float, renormalize: bool, gate_tasks: int,
+               gate_xc: int = 0) -> None:
     """The routing ops of one MoE layer (names prefixed by p): x_norm = RMSNorm(x), the bf16
-    router logits by a linear of `gate_tasks` tasks with the same RMSNorm as its prologue, and
-    moe_router's top-k ids and weights. Tests build routers with this too."""
+    router logits by a linear of `gate_tasks` tasks (input chunk `gate_xc`, the linear's attr
+    xc; 0: its own batch's) with the same RMSNorm as its prologue, and moe_router's top-k ids
+    and weights. Tests build routers with this too."""
     b, e = g.tensors[x].shape[0], g.tensors[gate].shape[0]
     g.add_tensor(p + "router_logits", (b, e), BF16, Role.ACTIVATION)
     g.add_op("rmsnorm", p + "post_norm", (1,), {"x": x, "weight": norm_weight, "out": x_norm},
              eps=eps)
     g.add_op("linear", p + "router_gate", (gate_tasks,),
              {"x": x, "norm_weight": norm_weight, "weight": gate, "out": p + "router_logits"},
-             prologue="rmsnorm", eps=eps)
+             prologue="rmsnorm", eps=eps, xc=gate_xc)
     g.add_op("moe_router", p + "router", (b,),
              {"logits": p + "router_logits", "expert_ids": ids, "expert_weights": weights},
              renormalize=renormalize)
 
 
 def moe_block(g: Graph, cfg: ModelConfig, batch: int, num_sms: int, layer: int,
-              gate_tasks: int) -> None:
+              gate_tasks: int, gate_xc: int) -> None:
     """Add layer `layer`'s MoE MLP to g: the router (add_router, its gate linear in
-    `gate_tasks` tasks), experts' gate/up, experts' down (+ residual)."""
+    `gate_tasks` tasks and input chunks of `gate_xc`), experts' gate/up, experts' down
+    (+ residual). The experts' kinds compute a row alike at any batch and grid (a pair's dot
+    products in one warp, the slots in order), so only the gate follows the numerics batch
+    (builder.DecodeShape.numerics_batch)."""
     p = f"layers.{layer}."
     h, e, k, inter = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                       cfg.moe_intermediate_size)
@@ -73,7 +78,7 @@ def moe_block(g: Graph, cfg: ModelConfig, batch: int, num_sms: int, layer: int,
     g.add_tensor(p + "expert_act", (batch, k, inter), BF16, Role.ACTIVATION)
     add_router(g, p, "hidden", p + "post_norm", p + "router_weight", p + "mlp_norm",
                p + "expert_ids", p + "expert_weights", eps=cfg.rms_eps,
-               renormalize=cfg.norm_topk_prob, gate_tasks=gate_tasks)
+               renormalize=cfg.norm_topk_prob, gate_tasks=gate_tasks, gate_xc=gate_xc)
     slots = expert_slots(cfg, batch)
     # About one task per SM: the slots times the ranges of the expert width fill the SMs (at
     # batch 1 of qwen3-30b-a3b: 8 slots x 16 ranges of 48 rows).

@@ -17,6 +17,11 @@ Epilogues:
             noise instead (tasks/sampling.py: the token argmax_reduce picks is then a sample
             of softmax(logits / T) at the row's position positions[b] + step * width)
 On the GPU the weights come as a stream of shared-memory pages in the order of geometry.py.
+attr xc: k per staged chunk of the input (a multiple of 32); 0: chunk_k(B, K), the largest B's
+staged rows fit. The chunks and the grid set the order of each output's sum over K (chunks add
+in fp32 one after the other; the tasks' row groups set the blocks and the warps that meet an
+output, sm90.cuh), so a plan that must round as a plan of more rows (the serving engine's one-row
+plan, models/builder.DecodeShape.numerics_batch) gives that plan's xc and task count.
 """
 
 from __future__ import annotations
@@ -107,7 +112,7 @@ class Linear(TaskKind):
         Param("xc"), Param("has_residual"), Param("out_f32"), Param("argmax"),
         Param("eps", is_float=True), Param("sampling"),
     )
-    attrs = {"prologue": "none", "epilogue": "none", "eps": 1e-6}
+    attrs = {"prologue": "none", "epilogue": "none", "eps": 1e-6, "xc": 0}
 
     def default_splits(self, grid, tensors):
         row_dim = len(tensors["weight"].shape) - 2
@@ -161,8 +166,19 @@ class Linear(TaskKind):
                 raise op.error(f"a residual is added only with epilogue 'none', not {epilogue!r}")
             op.expect_shape("residual", op.shape("out"))
             op.expect_dtype("residual", op.tensors["out"].dtype)
+        self._check_chunk(op, batch)
         self._check_argmax(op, batch)
         self._check_splits(op)
+
+    def _check_chunk(self, op: OpView, batch: int) -> None:
+        xc = op.attrs["xc"]
+        if xc == 0:
+            return
+        # A chunk the widest staging holds: the shared-memory carve of a larger batch's chunk.
+        if xc < 0 or xc % geo.UNIT_K or staged_bytes(batch, xc) > X_BUDGET_WIDE:
+            raise op.error(f"xc {xc}: the input chunk must be a positive multiple of "
+                           f"{geo.UNIT_K} whose {staged_rows(batch)} staged rows fit "
+                           f"{X_BUDGET_WIDE // 1024} KB")
 
     def _check_argmax(self, op: OpView, batch: int) -> None:
         argmax = op.attrs["epilogue"] == "argmax"
@@ -218,7 +234,7 @@ class Linear(TaskKind):
         return geo.LinearShape(n=wshape[-2], k=wshape[-1], tasks=op.grid[0],
                                silu=op.attrs["epilogue"] == "silu_mul",
                                rms=op.attrs["prologue"] == "rmsnorm",
-                               xc=chunk_k(op.shape("x")[0], wshape[-1]))
+                               xc=op.attrs["xc"] or chunk_k(op.shape("x")[0], wshape[-1]))
 
     def param_values(self, op: OpView) -> dict[str, int | float]:
         s = self.shape_of(op)
