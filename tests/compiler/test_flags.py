@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from mpk.compiler import flags, record
+from mpk.compiler.deps import find_edges
 from mpk.compiler.fuse import fuse
 from mpk.compiler.lower import compile_graph
 from mpk.compiler.tiling import tile_graph
@@ -155,13 +156,23 @@ def test_a_partial_reader_skips_only_a_wait_on_the_tasks_it_sees_whole() -> None
     assert not flags._skippable(qkv, head0[:-1], attention, frozenset()).any()  # plain qkv
 
 
-def test_a_producer_with_plain_writes_is_waited_for_unless_its_kind_fences_them(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    _, plan = _plan("qwen3-0.6b", max_pages=4, num_sms=132)
-    assert "layers.0.attn" in {t.name for t in plan.tensors if t.flagged}
-    o_proj = _records_by_op(plan)["layers.0.o_proj"]
-    assert all(int(rec[record.POLLED]) & 1 for rec in o_proj)  # attention fences its KV append
-    monkeypatch.setattr(get_kind("attention"), "fenced_operands", lambda op: frozenset())
-    _, plan = _plan("qwen3-0.6b", max_pages=4, num_sms=132)
-    o_proj = _records_by_op(plan)["layers.0.o_proj"]
-    assert not any(int(rec[record.POLLED]) & ~record.POLLS for rec in o_proj)
+def test_plain_writes_of_a_polled_producer_keep_their_counted_waits() -> None:
+    """Attention writes attn (flagged: o_proj polls it and skips its wait) and appends to the KV
+    cache (plain): the next step's attention, which reads that cache, keeps a counted wait on
+    this step's attention instead of one the reduction would drop as implied through o_proj."""
+    cfg, plan = _plan("qwen3-0.6b", max_pages=4, num_sms=132)
+    recs = _records_by_op(plan)
+    assert all(int(rec[record.POLLED]) & 1 for rec in recs["layers.0.o_proj"])
+    o_proj_waits = {c for rec in recs["layers.0.o_proj"] for c, _, _ in record.decode_waits(rec)}
+    for rec in recs["layers.0.attention"]:
+        waits = record.decode_waits(rec)
+        mask = int(rec[record.POLLED])
+        kept = [w for w, (c, _, prev) in enumerate(waits) if prev and c in o_proj_waits]
+        assert len(kept) == 1 and not mask >> kept[0] & 1, (waits, mask)  # counted
+    graph = fuse(build_graph(cfg, DecodeShape(max_pages=4), num_sms=132))
+    ops = tile_graph(graph)
+    edges = find_edges(ops, {n: t.shape for n, t in graph.tensors.items()})
+    kept = flags.counted_edges(ops, edges, flags.flagged_tensors(graph, ops))
+    names = {(ops[p].op.name, ops[c].op.name, prev) for p, c, prev in kept}
+    assert ("layers.0.attention", "layers.0.attention", True) in names
+    assert all(ops[p].op.kind == "attention" for p, _, _ in kept)  # linears write one tensor

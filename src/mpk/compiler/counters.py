@@ -5,7 +5,8 @@ split its tasks into "pieces": the coarsest partition such that every partial co
 union of pieces (e.g. the QKV tiles of one KV head). Consumers that need the whole op, or many
 pieces, wait on the op's "total" counter instead. A task therefore signals at most two counters
 (its piece and the total). Redundant waits (implied by another wait of the same task through the
-producers' own waits) are removed. A task with more than MAX_WAITS waits gets its piece waits
+producers' own waits) are removed, except those of `kept` edges (compiler/flags.py: a wait
+whose implying path may be polled instead of counted). A task with more than MAX_WAITS waits gets its piece waits
 coarsened to totals.
 """
 
@@ -39,7 +40,8 @@ class CounterPlan:
     signals: list[list[int]]  # per global task
 
 
-def assign_counters(num_tasks_per_op: list[int], edges: list[Edge]) -> CounterPlan:
+def assign_counters(num_tasks_per_op: list[int], edges: list[Edge],
+                    kept: frozenset[tuple[int, int, bool]] = frozenset()) -> CounterPlan:
     first = np.concatenate([[0], np.cumsum(num_tasks_per_op)]).astype(int)
     by_producer: dict[int, list[Edge]] = {}
     for e in edges:
@@ -47,9 +49,9 @@ def assign_counters(num_tasks_per_op: list[int], edges: list[Edge]) -> CounterPl
     forced_total: set[int] = set()
     while True:
         ops = _make_counters(num_tasks_per_op, by_producer, forced_total)
-        waits = _task_waits(num_tasks_per_op, first, edges, ops)
+        waits, keep = _task_waits(num_tasks_per_op, first, edges, ops, kept)
         signals, counts, producers = _signals(num_tasks_per_op, first, ops)
-        waits = _reduce(waits, producers, len(counts), _complete_groups(ops))
+        waits = _reduce(waits, producers, len(counts), _complete_groups(ops), keep)
         crowded = _crowded_producers(waits, ops)
         if not crowded - forced_total:
             break
@@ -92,9 +94,12 @@ def _make_counters(sizes: list[int], by_producer: dict[int, list[Edge]],
     return ops
 
 
-def _task_waits(sizes: list[int], first: np.ndarray, edges: list[Edge],
-                ops: list[OpCounters]) -> list[list[Wait]]:
+def _task_waits(sizes: list[int], first: np.ndarray, edges: list[Edge], ops: list[OpCounters],
+                kept: frozenset[tuple[int, int, bool]]
+                ) -> tuple[list[list[Wait]], list[set[Wait]]]:
+    """Each task's waits, and those of them that come from kept edges."""
     waits: list[list[Wait]] = [[] for _ in range(int(first[-1]))]
+    keep: list[set[Wait]] = [set() for _ in waits]
     for e in edges:
         oc = ops[e.producer]
         for r in range(e.matrix.shape[0]):
@@ -105,11 +110,12 @@ def _task_waits(sizes: list[int], first: np.ndarray, edges: list[Edge],
             use_total = (e.prev or row.all() or -1 in pieces
                          or len(pieces) > MAX_PIECES_PER_WAIT)
             task = int(first[e.consumer]) + r
-            if use_total:
-                waits[task].append((_total(oc), e.prev))
-            else:
-                waits[task].extend((oc.piece_counter[p], e.prev) for p in pieces)
-    return [sorted(set(w)) for w in waits]
+            new = [(_total(oc), e.prev)] if use_total else [
+                (oc.piece_counter[p], e.prev) for p in pieces]
+            waits[task].extend(new)
+            if (e.producer, e.consumer, e.prev) in kept:
+                keep[task].update(new)
+    return [sorted(set(w)) for w in waits], keep
 
 
 def _total(oc: OpCounters) -> int:
@@ -152,8 +158,9 @@ def _complete_groups(ops: list[OpCounters]) -> list[tuple[int, int, bool]]:
 
 
 def _reduce(waits: list[list[Wait]], producers: list[list[int]], num_counters: int,
-            groups: list[tuple[int, int, bool]]) -> list[list[Wait]]:
-    """Drop waits implied by another wait of the same task (transitive reduction)."""
+            groups: list[tuple[int, int, bool]], keep: list[set[Wait]]) -> list[list[Wait]]:
+    """Drop waits implied by another wait of the same task (transitive reduction), but not the
+    task's `keep` waits."""
     cur_mask = (1 << num_counters) - 1
     implied = [0] * num_counters
     piece_masks = {total: mask for total, mask, _ in groups}  # a total implies its pieces
@@ -183,13 +190,13 @@ def _reduce(waits: list[list[Wait]], producers: list[list[int]], num_counters: i
     if not _steps_chain(waits, producers, num_counters, closure):
         raise AssertionError("a counter's producers could run a step ahead of each other")
     out: list[list[Wait]] = []
-    for w in waits:
-        keep = list(w)
-        for cand in list(keep):
+    for w, must in zip(waits, keep):
+        left = list(w)
+        for cand in list(left):
             bit = 1 << (cand[0] + (num_counters if cand[1] else 0))
-            if any(o != cand and closure(o) & bit for o in keep):
-                keep.remove(cand)
-        out.append(keep)
+            if cand not in must and any(o != cand and closure(o) & bit for o in left):
+                left.remove(cand)
+        out.append(left)
     return out
 
 

@@ -23,9 +23,11 @@ The CUDA controller skips a same-step wait (record.POLLED) of consumer task r on
 producer op P when r, by polling, sees every word that each task signalling c wrote (each such
 task's flagged writes lie inside r's flagged reads: r reads all of a tensor, or, like attention
 reading its KV head's columns of qkv, exactly the pieces its counter counts). Seeing all of a
-task's writes then says what c's count says: that task finished. That holds when P writes
-nothing else, or only through operands its kind fences before its first flagged write
-(TaskKind.fenced_operands: attention's KV-cache append) and r touches none of those; r's other
+task's writes then says what c's count says: that task finished. That holds for P's flagged writes;
+P's plain writes (attention's KV-cache append beside its flagged output) are not ordered by the
+words r sees, so every task that conflicts with them keeps its own counted wait on P
+(counted_edges: the counter reduction may not drop it; for the append, the next step's
+attention waits on this step's, long since done) and r must not touch them; r's other
 conflicts with P may only be writes to what the counted tasks read (a flagged write is computed
 from its task's reads of whole inputs, flag_operands' contract). Waits the transitive reduction
 dropped because c implied them stay ordered the same way: each counted task ran after its own
@@ -43,6 +45,7 @@ import numpy as np
 
 from mpk.compiler import record
 from mpk.compiler.counters import CounterPlan
+from mpk.compiler.deps import Edge
 from mpk.compiler.tiling import Access1, TiledOp, covers_whole
 from mpk.dtypes import DType
 from mpk.graph.graph import Graph
@@ -89,10 +92,36 @@ def epoch(entry: int, step: int) -> int:
     return (step * writes + index) % (1 << 31) + 1
 
 
-def plan_flags(graph: Graph, ops: list[TiledOp], counters: CounterPlan) -> Flags:
+def flagged_tensors(graph: Graph, ops: list[TiledOp]) -> frozenset[str]:
     capable = {op.index: op.kind.flag_operands(op.view) for op in ops}
-    tensors = _flagged_tensors(graph, ops, capable)
+    return _flagged_tensors(graph, ops, capable)
+
+
+def counted_edges(ops: list[TiledOp], edges: list[Edge], tensors: frozenset[str]
+                  ) -> frozenset[tuple[int, int, bool]]:
+    """(producer, consumer, prev) edges whose waits the counter reduction keeps: from an op that
+    writes flagged and plain tensors to each op that conflicts with its plain writes. A poller
+    of its flagged output may skip counting it (module doc); these tasks still count it."""
+    keep = set()
+    for e in edges:
+        producer, consumer = ops[e.producer], ops[e.consumer]
+        if not _mixed(producer, tensors):
+            continue
+        plain = [a for a in producer.accesses if a.access.writes and a.tensor not in tensors]
+        if any(a.tensor == b.tensor and boxes_overlap(a.boxes, b.boxes).any()
+               for a in plain for b in consumer.accesses):
+            keep.add((e.producer, e.consumer, e.prev))
+    return frozenset(keep)
+
+
+def plan_flags(ops: list[TiledOp], counters: CounterPlan, tensors: frozenset[str]) -> Flags:
     return Flags(tensors, _entries(ops, tensors), _polled(ops, counters, tensors))
+
+
+def _mixed(op: TiledOp, tensors: frozenset[str]) -> bool:
+    """Does `op` write both flagged and plain tensors?"""
+    flagged = {a.tensor in tensors for a in op.accesses if a.access.writes}
+    return flagged == {True, False}
 
 
 def _polls(op: TiledOp, tensors: frozenset[str]) -> bool:
@@ -183,10 +212,9 @@ def _skippable(producer: TiledOp, counted: np.ndarray, consumer: TiledOp,
                tensors: frozenset[str]) -> np.ndarray:
     """bool per consumer task: may it skip a wait on the counter of `producer`'s tasks `counted`
     (local indices) because it sees all their writes (module doc)?"""
-    fenced = producer.kind.fenced_operands(producer.view)
     none = np.zeros(consumer.num_tasks, dtype=bool)
-    if any(ap.access.writes and ap.tensor not in tensors and ap.operand not in fenced
-           for ap in producer.accesses):
+    plain_writes = any(ap.access.writes and ap.tensor not in tensors for ap in producer.accesses)
+    if plain_writes and not _mixed(producer, tensors):  # counted_edges keeps mixed ops' waits
         return none
     sees = np.ones((consumer.num_tasks, len(counted)), dtype=bool)
     wrote = np.zeros(len(counted), dtype=bool)

@@ -12,7 +12,7 @@ import numpy as np
 from mpk.compiler import record
 from mpk.compiler.counters import CounterPlan, assign_counters
 from mpk.compiler.deps import find_edges
-from mpk.compiler.flags import Flags, plan_flags
+from mpk.compiler.flags import Flags, counted_edges, flagged_tensors, plan_flags
 from mpk.compiler.fuse import fuse
 from mpk.compiler.plan import Plan, PlanOp, PlanStream, PlanTensor
 from mpk.compiler.schedule import CostModel, Schedule, schedule_tasks
@@ -39,11 +39,13 @@ def compile_graph(graph: Graph, num_sms: int = DEFAULT_NUM_SMS, *, fuse_ops: boo
     ops = tile_graph(graph)
     shapes = {name: t.shape for name, t in graph.tensors.items()}
     edges = find_edges(ops, shapes)
-    counters = assign_counters([op.num_tasks for op in ops], edges)
+    flagged = flagged_tensors(graph, ops)
+    counters = assign_counters([op.num_tasks for op in ops], edges,
+                               counted_edges(ops, edges, flagged))
     costs = [op.kind.cost(op.view) for op in ops for _ in range(op.num_tasks)]
     sched = schedule_tasks(costs, counters.waits, counters.signals, num_sms, cost_model)
     layouts = {op.index: op.kind.stream_layout(op.view) for op in ops}
-    flags = plan_flags(graph, ops, counters)
+    flags = plan_flags(ops, counters, flagged)
     tensors, tensor_ids, arena = _tensor_table(graph, ops, flags.tensors)
     streams = tuple(PlanStream(op.index, layouts[op.index].total_bytes) for op in ops
                     if layouts[op.index] is not None)

@@ -247,13 +247,6 @@ class TaskKind:
         read by the thread that writes it.) Default: none."""
         return frozenset()
 
-    def fenced_operands(self, op: OpView) -> frozenset[str]:
-        """Operands whose plain (unflagged) writes this op's CUDA code makes visible at GPU scope
-        (a fence by every writing thread, then a barrier) before its first flagged write: a
-        consumer that polled all of a task's flagged words may then count the task as finished
-        (compiler/flags.py). Default: none."""
-        return frozenset()
-
     def stream_layout(self, op: OpView) -> StreamLayout | None:
         """The op's weight stream, or None when its tasks read weights from global memory."""
         return None

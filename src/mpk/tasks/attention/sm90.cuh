@@ -67,10 +67,7 @@ struct Ctx {
   const int *pt, *pos, *runs;
   bf16 *kc, *vc, *out;
   float *po, *plse;
-  const dev::flag_word* qkv_words;  // a flagged qkv / out's tile as words (common/flags.cuh)
-  dev::flag_word* out_words;
-  uint32_t qkv_ep, out_ep;  // their epochs (0: plain)
-  bool fence;  // out is flagged and this task appended to the cache: fence before writing out
+  uint32_t qkv_ep, out_ep;  // epochs of a flagged qkv / out (common/flags.cuh; 0: plain)
 };
 
 // Shared memory (one (row, head) at a time):
@@ -101,14 +98,17 @@ struct Layout {
 // A flagged qkv: this KV head's columns of every row polled into wo (free until attend) as bf16
 // rows of W = (G+2)*D, one 16-byte vector (four words) a thread, so that prepare reads shared
 // memory where it reads global memory otherwise (task.py keeps B*(G+2) <= 16*kWarps: it fits).
-// Polling inside prepare's loads kept twice their registers live there and spilled.
-__device__ __forceinline__ void stage_flagged_qkv(const Ctx& c, const Layout& L, char* smem) {
+// Polling inside prepare's loads (or per warp before them) kept more registers live there and
+// spilled.
+__device__ __forceinline__ void stage_flagged_qkv(const mpk::TaskArgs& a, const Ctx& c,
+                                                  const Layout& L) {
   const int W = c.G + 2, vecs = W * c.D / 8;  // per row
-  uint4* dst = reinterpret_cast<uint4*>(smem + L.wo);
+  const dev::flag_word* words = dev::flag_operand<const dev::flag_word>(a, O_QKV);
+  uint4* dst = reinterpret_cast<uint4*>(a.smem + L.wo);
   const dev::Poll poll;
   for (int idx = threadIdx.x; idx < c.B * vecs; idx += NUM_THREADS) {
     const int r = idx / vecs, v = idx - r * vecs;
-    dst[idx] = dev::poll8(c.qkv_words + (long long)r * c.KVH * W * c.D / 2 + v * 4, c.qkv_ep, poll);
+    dst[idx] = dev::poll8(words + (long long)r * c.KVH * W * c.D / 2 + v * 4, c.qkv_ep, poll);
   }
 }
 
@@ -418,10 +418,7 @@ __device__ __forceinline__ void attend(const mpk::TaskArgs& a, const Ctx& c, con
   const long long head0 = (((long long)bb * c.KVH + hh) * c.G + g0) * D;  // out's element
   if (c.out_ep) {  // flagged out: one word per pair of columns
     const int half = D / 2;
-    // The cache append (other warps, before the barrier above) is made visible before any word
-    // that lets a consumer count this task as finished (compiler/flags.py: fenced operands).
-    if (c.fence && tid < ng * half) mpk::ptx::fence_acq_rel_gpu();
-    dev::flag_word* words = c.out_words + head0 / 2;
+    dev::flag_word* words = dev::flag_operand<dev::flag_word>(a, O_OUT) + head0 / 2;
     for (int idx = tid; idx < ng * half; idx += NUM_THREADS) {
       const int g = idx / half, d = 2 * (idx - g * half);
       float mstar, lsum;
@@ -491,10 +488,11 @@ __device__ __forceinline__ bool row_setup(const Ctx& c, const Layout& L, char* s
 }
 
 // A row outside the rope table: zeros (or empty partials), nothing appended.
-__device__ __forceinline__ void write_empty(const Ctx& c, int bb, int hh) {
+__device__ __forceinline__ void write_empty(const mpk::TaskArgs& a, const Ctx& c, int bb, int hh) {
   const int GD = c.G * c.D;
   if (c.out_ep) {  // no cache append on this path: nothing to fence
-    dev::flag_word* words = c.out_words + ((long long)bb * c.KVH + hh) * GD / 2;
+    dev::flag_word* words =
+        dev::flag_operand<dev::flag_word>(a, O_OUT) + ((long long)bb * c.KVH + hh) * GD / 2;
     for (int idx = threadIdx.x; idx < GD / 2; idx += NUM_THREADS)
       dev::st_flag(words + idx, dev::make_flag_word(0u, c.out_ep));
     return;
@@ -539,9 +537,6 @@ __device__ __forceinline__ Ctx ctx_of(const mpk::TaskArgs& a) {
   c.plse = a.operand<float>(O_PART_LSE);
   c.qkv_ep = dev::flag_epoch(a, O_QKV);
   c.out_ep = dev::flag_epoch(a, O_OUT);
-  c.qkv_words = dev::flag_operand<const dev::flag_word>(a, O_QKV);
-  c.out_words = dev::flag_operand<dev::flag_word>(a, O_OUT);
-  c.fence = false;
   return c;
 }
 
@@ -579,19 +574,18 @@ MPK_TASK_ENTRY void prologue(const mpk::TaskArgs& a) {
 
 MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   using namespace detail;
-  Ctx c = ctx_of(a);
+  const Ctx c = ctx_of(a);
   if (!supported(c)) return;
   // One KV head and one batch row per task (task.py: grid (KVH, B, S)).
   const Layout L(c);
   const Setup st = *reinterpret_cast<const Setup*>(a.smem + L.pre);
   if (!st.valid) {
-    write_empty(c, 0, 0);
+    write_empty(a, c, 0, 0);
     return;
   }
   const Range& R = st.R;
-  c.fence = c.out_ep && st.crow >= 0;
   if (c.qkv_ep) {
-    stage_flagged_qkv(c, L, a.smem);
+    stage_flagged_qkv(a, c, L);
     mpk::task_sync();
   }
   prepare(c, L, a.smem, 0, st.p, R.flo, max(R.flo, R.hi), st.crow, st.f0);

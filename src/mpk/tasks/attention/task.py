@@ -90,10 +90,6 @@ class Attention(TaskKind):
             names.add("out")
         return frozenset(names)
 
-    def fenced_operands(self, op: OpView) -> frozenset[str]:
-        # The KV append is fenced before a flagged out's first word (sm90.cuh, the merge).
-        return frozenset({"k_cache", "v_cache"})
-
     def cuda_constants(self, op: OpView) -> dict[str, int]:
         return {"ATTN_MAX_HEAD_DIM": 128 if op.shape("k_cache")[3] <= 128 else MAX_HEAD_DIM}
 
