@@ -220,13 +220,13 @@ def _skippable(producer: TiledOp, counted: np.ndarray, consumer: TiledOp,
     wrote = np.zeros(len(counted), dtype=bool)
     bad = none.copy()
     for ap in producer.accesses:
-        boxes = ap.boxes[counted]
+        mine = ap.boxes[counted]
         if ap.access.writes and ap.tensor in tensors:
-            written = (boxes[..., 1] > boxes[..., 0]).all(axis=-1)  # [counted]
+            written = (mine[..., 1] > mine[..., 0]).all(axis=-1)  # [counted]
             inside = np.zeros_like(sees)
             for ac in consumer.accesses:
                 if ac.tensor == ap.tensor and ac.access is Access.READ:
-                    inside |= _contains(ac.boxes, boxes)
+                    inside |= _contains(ac.boxes, mine)
             sees &= inside | ~written[None]
             wrote |= written
         for ac in consumer.accesses:
@@ -235,10 +235,10 @@ def _skippable(producer: TiledOp, counted: np.ndarray, consumer: TiledOp,
             if ap.tensor in tensors and ap.access is Access.WRITE and ac.access is Access.READ:
                 continue  # the polled words: `sees`
             if ap.access is Access.READ and ac.access.writes:
-                boxes = ap.boxes  # a write over what uncounted tasks read: not ordered here
+                # a write over what uncounted tasks read: not ordered here
                 counted_only = np.zeros(producer.num_tasks, dtype=bool)
                 counted_only[counted] = True
-                bad |= (boxes_overlap(boxes, ac.boxes) & ~counted_only[None]).any(axis=1)
+                bad |= (boxes_overlap(ap.boxes, ac.boxes) & ~counted_only[None]).any(axis=1)
             else:
                 bad |= boxes_overlap(ap.boxes, ac.boxes).any(axis=1)
     return ~bad & sees.all(axis=1) & bool(wrote.all())

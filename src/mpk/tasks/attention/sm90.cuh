@@ -490,7 +490,7 @@ __device__ __forceinline__ bool row_setup(const Ctx& c, const Layout& L, char* s
 // A row outside the rope table: zeros (or empty partials), nothing appended.
 __device__ __forceinline__ void write_empty(const mpk::TaskArgs& a, const Ctx& c, int bb, int hh) {
   const int GD = c.G * c.D;
-  if (c.out_ep) {  // no cache append on this path: nothing to fence
+  if (c.out_ep) {
     dev::flag_word* words =
         dev::flag_operand<dev::flag_word>(a, O_OUT) + ((long long)bb * c.KVH + hh) * GD / 2;
     for (int idx = threadIdx.x; idx < GD / 2; idx += NUM_THREADS)
@@ -579,15 +579,18 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   // One KV head and one batch row per task (task.py: grid (KVH, B, S)).
   const Layout L(c);
   const Setup st = *reinterpret_cast<const Setup*>(a.smem + L.pre);
+  // A flagged qkv is polled on every path, an empty row's too: the controller skipped this
+  // task's qkv wait, and what follows it (o_proj's rewrite of hidden, which qkv reads) is
+  // ordered only through these polls (compiler/flags.py).
+  if (c.qkv_ep) {
+    stage_flagged_qkv(a, c, L);
+    mpk::task_sync();
+  }
   if (!st.valid) {
     write_empty(a, c, 0, 0);
     return;
   }
   const Range& R = st.R;
-  if (c.qkv_ep) {
-    stage_flagged_qkv(a, c, L);
-    mpk::task_sync();
-  }
   prepare(c, L, a.smem, 0, st.p, R.flo, max(R.flo, R.hi), st.crow, st.f0);
   mpk::task_sync();  // queries, this step's keys and values
   a.mark(0);  // profiling: the inputs are prepared
