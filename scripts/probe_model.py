@@ -24,6 +24,7 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
   walk_start WAIT := warp 0's entry into the last block's walk (scripts/phase_spread.py --run),
   moe_down_resid_first, moe_down_kv3  moe_down's residual loaded before the output's sum; 3
              vectors per slot row in flight (same results, timing),
+  linear_noflags  linear without its flagged paths (plans with no flagged tensor only: batch 8),
 Per op role: the phase parts, and for pagewait the mean page wait of its linear tasks.
 
   python scripts/probe_model.py --model qwen3-0.6b [--runs none,pagewait] [--json]   # on the GPU
@@ -53,6 +54,13 @@ PATCHES["pagewait1"] = {
 # The page protocol without the units. Timing only.
 PATCHES["no_units"] = {"linear/sm90.cuh": [("    if (kWhole || uj < stop) {\n",
                                             "    if (false) {\n")]}
+# The linear kind without its flagged paths: the three flag-epoch lookups become zeros, so every
+# flagged branch folds away (a plan with flagged tensors would hang: only for plans with none,
+# e.g. qwen3-0.6b at batch 8). Is b8's +0.3 us a linear input since the flags change that code?
+PATCHES["linear_noflags"] = {"linear/sm90.cuh": [(
+    "  t.x_ep = dev::flag_epoch(a, O_X);\n  t.res_ep = dev::flag_epoch(a, O_RESIDUAL);\n"
+    "  t.out_ep = dev::flag_epoch(a, O_OUT);\n",
+    "  t.x_ep = t.res_ep = t.out_ep = 0u;\n")]}
 # WAIT := when the loader issued the record's last page copy (the consumers' own WAIT stamp is
 # dropped): RUN - WAIT is how far ahead of the task the loader was.
 RECORD_END = "        src += sizes[r];\n      }\n    }\n"
@@ -209,7 +217,8 @@ RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "
         "nanosleep": "nanosleep", "hint": "hint",
         "relaxed_poll": "relaxed_poll", "no_loader": "no_loader", "pagewait": "pagewait1", "no_mma": "no_mma", "no_wload": "no_wload",
         "no_units": "no_units", "warp_release": "warp_release",
-        "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "moe_down_resid_first": "moe_down_resid_first", "moe_down_kv3": "moe_down_kv3", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "moe_inflight2x": "moe_inflight2x"}
+        "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "moe_down_resid_first": "moe_down_resid_first", "moe_down_kv3": "moe_down_kv3", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "moe_inflight2x": "moe_inflight2x",
+        "linear_noflags": "linear_noflags"}
 
 
 def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batch: int) -> dict:

@@ -172,7 +172,7 @@ def unordered(preset: str, batch: int, max_pages: int, num_sms: int = 16,
 
 
 CASES = [("tiny-qwen3", 1, 4), ("tiny-qwen3", 1, 64), ("tiny-qwen3", 4, 4), ("tiny-llama", 2, 4),
-         ("tiny-qwen3-moe", 1, 4)]
+         ("tiny-qwen3-moe", 1, 4), ("tiny-qwen3-moe", 3, 4)]
 
 
 @pytest.mark.parametrize("list_order", [True, False])
