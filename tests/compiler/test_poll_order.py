@@ -25,51 +25,36 @@ append unordered.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from mpk.compiler import lower, record
+from mpk.compiler.deps import find_conflicts
 from mpk.compiler.fuse import fuse
 from mpk.compiler.lower import compile_graph
-from mpk.compiler.tiling import TiledOp, covers_whole, tile_graph
+from mpk.compiler.tiling import TiledOp, tile_graph
 from mpk.models.builder import DecodeShape, build_graph
 from mpk.models.config import get_preset
-from mpk.tasks.base import boxes_overlap
 
 STEPS = 3
 S, M, D, E = range(4)
 
 
 def _hazards(ops: list[TiledOp], shapes: dict[str, tuple[int, ...]], skip_reads: str | None):
-    """(producer op, consumer op, prev, kind, tensor, [consumer, producer] bool) per access pair,
-    found as compiler/deps.py finds edges (a whole write hides what came before it)."""
-    def accesses(op: TiledOp):
-        return [a for a in op.accesses if not (op.op.kind == skip_reads and a.access.reads)]
-
-    history: dict[str, list] = {}
+    """(producer op, consumer op, prev, kind, tensor, [consumer, producer] bool) per access pair
+    (compiler/deps.find_conflicts; `skip_reads`: that kind's tasks read nothing)."""
+    if skip_reads:
+        ops = [replace(op, accesses=tuple(a for a in op.accesses if not a.access.reads))
+               if op.op.kind == skip_reads else op for op in ops]
     found = []
-    for walk in (0, 1):
-        for op in ops:
-            for acc in accesses(op):
-                for producer, prev, pacc in history.get(acc.tensor, []):
-                    if (walk == 1 and not prev) or (producer == op.index and not prev):
-                        continue
-                    m = boxes_overlap(pacc.boxes, acc.boxes)
-                    if not m.any():
-                        continue
-                    for kind, hit in (("RAW", pacc.access.writes and acc.access.reads),
-                                      ("WAR", pacc.access.reads and acc.access.writes),
-                                      ("WAW", pacc.access.writes and acc.access.writes)):
-                        if hit:
-                            found.append((producer, op.index, prev, kind, acc.tensor, m))
-            for acc in accesses(op):
-                seen = history.setdefault(acc.tensor, [])
-                if acc.access.writes and covers_whole(acc.boxes, shapes[acc.tensor]):
-                    seen[:] = [e for e in seen if e[0] == op.index and not e[1]]
-                seen.append((op.index, False, acc))
-        for seen in history.values():
-            seen[:] = [(o, True, a) for o, _, a in seen]
+    for c in find_conflicts(ops, shapes):
+        for kind, hit in (("RAW", c.earlier.access.writes and c.later.access.reads),
+                          ("WAR", c.earlier.access.reads and c.later.access.writes),
+                          ("WAW", c.earlier.access.writes and c.later.access.writes)):
+            if hit:
+                found.append((c.producer, c.consumer, c.prev, kind, c.later.tensor, c.matrix))
     return found
 
 

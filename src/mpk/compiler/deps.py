@@ -30,14 +30,36 @@ class Edge:
     matrix: np.ndarray  # bool [consumer tasks, producer tasks]
 
 
+@dataclass(frozen=True)
+class Conflict:
+    """One access of op `consumer` that overlaps an earlier one of op `producer` on the same
+    tensor (at least one of them writes): matrix[c, p] for task pairs."""
+
+    producer: int
+    consumer: int
+    prev: bool
+    earlier: Access1
+    later: Access1
+    matrix: np.ndarray  # bool [consumer tasks, producer tasks]
+
+
 @dataclass
 class _History:
     entries: list[tuple[int, bool, Access1]] = field(default_factory=list)  # (op, prev, access)
 
 
 def find_edges(ops: list[TiledOp], shapes: dict[str, tuple[int, ...]]) -> list[Edge]:
-    history: dict[str, _History] = {}
     found: dict[tuple[int, int, bool], np.ndarray] = {}
+    for c in find_conflicts(ops, shapes):
+        key = (c.producer, c.consumer, c.prev)
+        found[key] = found[key] | c.matrix if key in found else c.matrix
+    return [Edge(p, c, prev, m) for (p, c, prev), m in found.items()]
+
+
+def find_conflicts(ops: list[TiledOp], shapes: dict[str, tuple[int, ...]]) -> list[Conflict]:
+    """Every access pair an edge comes from, in the order find_edges meets them."""
+    history: dict[str, _History] = {}
+    found: list[Conflict] = []
     for walk in (0, 1):
         for op in ops:
             for acc in op.accesses:
@@ -46,11 +68,10 @@ def find_edges(ops: list[TiledOp], shapes: dict[str, tuple[int, ...]]) -> list[E
                 _record(op, acc, history[acc.tensor], walk, shapes[acc.tensor])
         for hist in history.values():  # everything seen in walk 0 is "previous step" in walk 1
             hist.entries = [(o, True, a) for o, _, a in hist.entries]
-    return [Edge(p, c, prev, m) for (p, c, prev), m in found.items()]
+    return found
 
 
-def _visit(op: TiledOp, acc: Access1, hist: _History, walk: int,
-           found: dict[tuple[int, int, bool], np.ndarray]) -> None:
+def _visit(op: TiledOp, acc: Access1, hist: _History, walk: int, found: list[Conflict]) -> None:
     for producer, prev, pacc in hist.entries:
         if walk == 1 and not prev:
             continue  # same-step edges were all found in the first walk
@@ -59,10 +80,8 @@ def _visit(op: TiledOp, acc: Access1, hist: _History, walk: int,
         if not (acc.access.writes or pacc.access.writes):
             continue
         m = boxes_overlap(pacc.boxes, acc.boxes)
-        if not m.any():
-            continue
-        key = (producer, op.index, prev)
-        found[key] = found[key] | m if key in found else m
+        if m.any():
+            found.append(Conflict(producer, op.index, prev, pacc, acc, m))
 
 
 def _record(op: TiledOp, acc: Access1, hist: _History, walk: int,

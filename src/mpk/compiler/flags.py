@@ -218,6 +218,8 @@ def _skippable(producer: TiledOp, counted: np.ndarray, consumer: TiledOp,
         return none
     sees = np.ones((consumer.num_tasks, len(counted)), dtype=bool)
     wrote = np.zeros(len(counted), dtype=bool)
+    uncounted = np.ones(producer.num_tasks, dtype=bool)
+    uncounted[counted] = False
     bad = none.copy()
     for ap in producer.accesses:
         mine = ap.boxes[counted]
@@ -236,9 +238,7 @@ def _skippable(producer: TiledOp, counted: np.ndarray, consumer: TiledOp,
                 continue  # the polled words: `sees`
             if ap.access is Access.READ and ac.access.writes:
                 # a write over what uncounted tasks read: not ordered here
-                counted_only = np.zeros(producer.num_tasks, dtype=bool)
-                counted_only[counted] = True
-                bad |= (boxes_overlap(ap.boxes, ac.boxes) & ~counted_only[None]).any(axis=1)
+                bad |= (boxes_overlap(ap.boxes, ac.boxes) & uncounted[None]).any(axis=1)
             else:
                 bad |= boxes_overlap(ap.boxes, ac.boxes).any(axis=1)
     return ~bad & sees.all(axis=1) & bool(wrote.all())
