@@ -12,6 +12,9 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
   no_mma     ablation (wrong outputs, timing only): the walk reads the weights but does no MMA,
   no_wload   ablation (wrong outputs, timing only): MMAs on a made-up fragment, no weight loads,
   attn_nokv  ablation (timing only): attention reads no cached key or value (only this step's),
+  attn_l2pf  attention's prologue prefetches the cached keys and values to L2 (evict_last),
+  attn_m_scores, attn_m_block, attn_m_loop  attention's COMPUTE mark at warp 0's scores, first
+             block, loop end (where its compute goes),
   no_units   the page protocol without the units (timing only),
   no_xread   ablation (wrong outputs, timing only): the linear staging stores zeros where its
              cp.async copies of x would land (no global read of the input),
@@ -24,7 +27,6 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
   walk_start WAIT := warp 0's entry into the last block's walk (scripts/phase_spread.py --run),
   moe_down_resid_first, moe_down_kv3  moe_down's residual loaded before the output's sum; 3
              vectors per slot row in flight (same results, timing),
-  linear_noflags  linear without its flagged paths (plans with no flagged tensor only: batch 8),
 Per op role: the phase parts, and for pagewait the mean page wait of its linear tasks.
 
   python scripts/probe_model.py --model qwen3-0.6b [--runs none,pagewait] [--json]   # on the GPU
@@ -54,13 +56,6 @@ PATCHES["pagewait1"] = {
 # The page protocol without the units. Timing only.
 PATCHES["no_units"] = {"linear/sm90.cuh": [("    if (kWhole || uj < stop) {\n",
                                             "    if (false) {\n")]}
-# The linear kind without its flagged paths: the three flag-epoch lookups become zeros, so every
-# flagged branch folds away (a plan with flagged tensors would hang: only for plans with none,
-# e.g. qwen3-0.6b at batch 8). Is b8's +0.3 us a linear input since the flags change that code?
-PATCHES["linear_noflags"] = {"linear/sm90.cuh": [(
-    "  t.x_ep = dev::flag_epoch(a, O_X);\n  t.res_ep = dev::flag_epoch(a, O_RESIDUAL);\n"
-    "  t.out_ep = dev::flag_epoch(a, O_OUT);\n",
-    "  t.x_ep = t.res_ep = t.out_ep = 0u;\n")]}
 # WAIT := when the loader issued the record's last page copy (the consumers' own WAIT stamp is
 # dropped): RUN - WAIT is how far ahead of the task the loader was.
 RECORD_END = "        src += sizes[r];\n      }\n    }\n"
@@ -109,6 +104,34 @@ PATCHES["sparse_timer"] = {"runtime.cuh": [
 CACHE_ROW = "    return cache + (((long long)page * c.PS + (q - pi * c.PS)) * c.KVH + hh) * D;\n"
 PATCHES["attn_nokv"] = {"attention/sm90.cuh": [(CACHE_ROW, "    return nullptr;\n")]}
 PATCHES["no_loader_attn_nokv"] = {**PATCHES["no_loader"], **PATCHES["attn_nokv"]}
+# The prologue (before the waits) prefetches the cached positions' keys and values to L2 with
+# evict_last: are attention's K/V loads after the waits HBM round trips (timing; same results)?
+PROLOGUE_VALID = "  if (st.valid) {\n"
+# Where attention's compute goes (timing; same results): COMPUTE := warp 0's time at a point of
+# its first block (after the values it depends on are in registers) instead of after every warp
+# attended: its scores (the K loads and score MMAs), the block (softmax and the PV MMAs), the loop.
+ATTN_MARK = ("  a.mark(1);  // profiling: every warp's positions are attended (the last pass's mark "
+             "stays)\n")
+SCORES_DONE = "    const float ninf = -__int_as_float(0x7f800000);\n"
+BLOCK_DONE = ("    __syncwarp();  // the staged values are read before the next block's copies "
+              "overwrite them\n")
+LOOP_DONE = "  // ---- warp state -> smem ----\n"
+USE_O = '    asm volatile("" ::"f"(o[0][0]), "f"(o[MT_MAX - 1][3]), "f"(ot[0]));\n'
+PATCHES["attn_m_scores"] = {"attention/sm90.cuh": [(ATTN_MARK, ""), (SCORES_DONE, (
+    '    asm volatile("" ::"f"(sc[0]), "f"(sc[1]), "f"(sc[2]), "f"(sc[3]));\n'
+    "    a.mark(1);\n") + SCORES_DONE)]}
+PATCHES["attn_m_block"] = {"attention/sm90.cuh": [(ATTN_MARK, ""), (BLOCK_DONE, USE_O + "    a.mark(1);\n" + BLOCK_DONE)]}
+PATCHES["attn_m_loop"] = {"attention/sm90.cuh": [(ATTN_MARK, ""), (LOOP_DONE, USE_O.replace("    ", "  ", 1) + "  a.mark(1);\n" + LOOP_DONE)]}
+PATCHES["attn_l2pf"] = {"attention/sm90.cuh": [(PROLOGUE_VALID, PROLOGUE_VALID + (
+    "    for (int i = threadIdx.x, lines = c.D / 64, hi = min(st.R.hi, st.f0);\n"
+    "         i < max(0, hi - st.R.lo) * 2 * lines; i += NUM_THREADS) {\n"
+    "      const int q = st.R.lo + i / (2 * lines), part = i % (2 * lines);\n"
+    "      const int page = dev::ld_act_i32(c.pt + q / c.PS);\n"
+    "      if (page < 0 || page >= c.NP) continue;\n"
+    "      const bf16* row = (part < lines ? c.kc : c.vc) +\n"
+    "                        ((long long)page * c.PS + q % c.PS) * c.KVH * c.D + (part % lines) * 64;\n"
+    "      asm volatile(\"prefetch.global.L2::evict_last [%0];\" ::\"l\"(row));\n"
+    "    }\n"))]}
 # The loader holds its next copy while the consumers stage a task's input: a CTA-wide flag set
 # when the consumers start a record and cleared at the kind's INPUT mark (profiling builds
 # stamp it) or when the record ends.
@@ -210,15 +233,14 @@ PATCHES["moe_down_kv3"] = {"moe_down/sm90.cuh": [("constexpr int kV = 2;", "cons
 PATCHES["moe_inflight2x"] = {
     "moe_gate_up/sm90.cuh": [("constexpr int kV = 4;", "constexpr int kV = 8;")],
     "moe_down/sm90.cuh": [("constexpr int kV = 2;", "constexpr int kV = 4;")]}
-RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "attn_nokv", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
+RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "attn_nokv", "attn_l2pf": "attn_l2pf", "attn_m_scores": "attn_m_scores", "attn_m_block": "attn_m_block", "attn_m_loop": "attn_m_loop", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
         "sparse_timer": "sparse_timer",
         "no_loader_no_units": "no_loader_no_units",
         "no_loader_bare_units": "no_loader_bare_units",
         "nanosleep": "nanosleep", "hint": "hint",
         "relaxed_poll": "relaxed_poll", "no_loader": "no_loader", "pagewait": "pagewait1", "no_mma": "no_mma", "no_wload": "no_wload",
         "no_units": "no_units", "warp_release": "warp_release",
-        "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "moe_down_resid_first": "moe_down_resid_first", "moe_down_kv3": "moe_down_kv3", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "moe_inflight2x": "moe_inflight2x",
-        "linear_noflags": "linear_noflags"}
+        "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "moe_down_resid_first": "moe_down_resid_first", "moe_down_kv3": "moe_down_kv3", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "moe_inflight2x": "moe_inflight2x"}
 
 
 def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batch: int) -> dict:

@@ -15,6 +15,8 @@ from mpk.compiler.plan import Plan
 from mpk.dtypes import DType
 from mpk.errors import CompileError, UnsupportedError
 from mpk.graph.graph import Graph
+from mpk.models.builder import DecodeShape, build_graph
+from mpk.models.config import get_preset
 from mpk.tasks.registry import all_kinds, get_kind
 from mpk.tensors import Role
 from tests.cuda.runtime_plans import chain_plan
@@ -94,8 +96,9 @@ def test_kinds_dispatch_and_includes_follow_the_plan() -> None:
 
 def test_source_depends_only_on_kinds_and_sizes() -> None:
     assert codegen.render(small_plan(4)) == codegen.render(small_plan(7))
-    assert codegen.render(chain_plan(n=256, tiles=4, num_sms=2)) == codegen.render_kinds(
-        ["silu_mul"])
+    chain = chain_plan(n=256, tiles=4, num_sms=2)
+    assert codegen.render(chain) == codegen.render_kinds(["silu_mul"],
+                                                         flagged=codegen.flagged_kinds(chain))
     with pytest.raises(CompileError, match="duplicate"):
         codegen.render_kinds(["rmsnorm", "rmsnorm"])
     # A larger task scratch leaves fewer weight pages; too large a one is refused clearly.
@@ -104,6 +107,29 @@ def test_source_depends_only_on_kinds_and_sizes() -> None:
         codegen.PAGE_BYTES < codegen.MAX_PAGES
     with pytest.raises(UnsupportedError, match="weight pages"):
         codegen.render_kinds(["silu_mul"], scratch_bytes=200 * 1024)
+
+
+def flagged_constant(source: str, kind: str) -> bool:
+    m = re.search(r"constexpr bool FLAGGED = (true|false);", namespace(source, kind))
+    assert m, f"no FLAGGED in {kind}"
+    return m.group(1) == "true"
+
+
+@pytest.mark.parametrize(("preset", "batch", "expected"), [
+    ("tiny-qwen3", 1, {"attention", "embedding", "linear"}), ("qwen3-0.6b", 8, set())])
+def test_flagged_follows_the_plans_flagged_tensors(preset: str, batch: int,
+                                                   expected: set[str]) -> None:
+    # Without a plan every kind keeps its flagged paths; a plan folds them away in the kinds
+    # none of whose ops touches a flagged tensor (common/flags.cuh flag_epoch): qwen3-0.6b's
+    # activations at batch 8 are all above the flag size limit.
+    assert flagged_constant(codegen.render_kinds(["linear"]), "linear")
+    plan = compile_graph(build_graph(get_preset(preset), DecodeShape(batch=batch)), 132)
+    flagged = {op.kind for op in plan.ops for _, tid in op.operands if plan.tensors[tid].flagged}
+    assert flagged == expected
+    assert codegen.flagged_kinds(plan) == flagged
+    src = codegen.render(plan)
+    for name in plan.kinds:
+        assert flagged_constant(src, name) is (name in flagged)
 
 
 def test_plan_constants_raise_kind_defaults() -> None:

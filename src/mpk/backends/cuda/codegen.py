@@ -9,18 +9,20 @@ The template has five holes, all filled from data, never from hand-kept lists:
              (ERROR_FIELDS below, shared with the executor), the SAMPLING and RUNS row
              layouts (tasks/sampling.py, tasks/runs.py) and the ABI version;
   KINDS      for each kind of the plan (kind id = index in plan.kinds): its operand slots
-             O_<OPERAND> and param indices P_<PARAM> in `namespace mpk::kinds::<kind>`, then
+             O_<OPERAND>, param indices P_<PARAM> and FLAGGED (does an op of the kind access a
+             flagged tensor in this plan) in `namespace mpk::kinds::<kind>`, then
              `#include "<kind>/sm90.cuh"` (resolved against mpk/tasks);
   DISPATCH   `case <kind id>: mpk::kinds::<kind>::run(a); break;`;
   KIND_NAMES the kind-name table for profilers and error messages.
-The rendered source depends only on the plan's kinds (in order), its scratch size and the
-profiling flag, not on its tables, so one build serves every plan that shares them.
+The rendered source depends only on the plan's kinds (in order), its scratch size, constants,
+flagged kinds and the profiling flag, not on its tables, so one build serves every plan that
+shares them.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 from mpk.compiler import record
@@ -140,9 +142,11 @@ def constants_block(scratch_bytes: int = 16 * 1024) -> str:
     return "\n".join(lines)
 
 
-def kind_block(kind_id: int, name: str, constants: Mapping[str, int] | None = None) -> str:
+def kind_block(kind_id: int, name: str, constants: Mapping[str, int] | None = None,
+               flagged: bool = True) -> str:
     """The kind's compile-time constants (defaults raised by the plan), its namespace constants,
-    then its device code."""
+    then its device code. `flagged` False: no op of the kind has a flagged operand in the plan,
+    so FLAGGED folds its polling and flag-writing paths away (common/flags.cuh flag_epoch)."""
     kind = get_kind(name)
     constants = constants or {}
     if not _IDENT.match(name):
@@ -155,7 +159,8 @@ def kind_block(kind_id: int, name: str, constants: Mapping[str, int] | None = No
                            f"most {record.PARAM_WORDS}")
     lines = [f"inline constexpr int {key} = {constants.get(key, value)};"
              for key, value in sorted(kind.cuda_defaults.items())]
-    lines += [f"namespace mpk::kinds::{name} {{", f"inline constexpr int KIND_ID = {kind_id};"]
+    lines += [f"namespace mpk::kinds::{name} {{", f"inline constexpr int KIND_ID = {kind_id};",
+              f"inline constexpr bool FLAGGED = {'true' if flagged else 'false'};"]
     lines += [f"inline constexpr int O_{spec.name.upper()} = {slot};"
               for slot, spec in enumerate(kind.operands)]
     lines += [f"inline constexpr int P_{param.name.upper()} = {index};"
@@ -193,16 +198,19 @@ def options_block(profile: bool, kinds: Sequence[str] = ()) -> str:
 
 
 def render_kinds(kinds: Sequence[str], profile: bool = False, scratch_bytes: int = 16 * 1024,
-                 constants: Mapping[str, int] | None = None) -> str:
+                 constants: Mapping[str, int] | None = None,
+                 flagged: Collection[str] | None = None) -> str:
     """The megakernel source for a tuple of kind names (kind id = position); `profile` selects
-    the timestamped build; `scratch_bytes` is the plan's task scratch (Plan.scratch_bytes) and
-    `constants` its kinds' compile-time constants (Plan.constants)."""
+    the timestamped build; `scratch_bytes` is the plan's task scratch (Plan.scratch_bytes),
+    `constants` its kinds' compile-time constants (Plan.constants) and `flagged` the kinds with
+    a flagged operand (flagged_kinds; None: every kind keeps its flagged paths)."""
     if len(set(kinds)) != len(kinds):
         raise CompileError(f"duplicate kinds in {list(kinds)}")
     holes = {
         "OPTIONS": options_block(profile, kinds),
         "CONSTANTS": constants_block(scratch_bytes),
-        "KINDS": "\n\n".join(kind_block(i, name, constants) for i, name in enumerate(kinds)),
+        "KINDS": "\n\n".join(kind_block(i, name, constants, flagged is None or name in flagged)
+                               for i, name in enumerate(kinds)),
         "DISPATCH": dispatch_block(kinds),
         "PROLOGUES": prologue_block(kinds),
         "KIND_NAMES": kind_names_block(kinds),
@@ -214,10 +222,17 @@ def render_kinds(kinds: Sequence[str], profile: bool = False, scratch_bytes: int
     return _HOLE.sub(lambda m: holes[m.group(1)], template)
 
 
+def flagged_kinds(plan: Plan) -> frozenset[str]:
+    """Kinds with an op that accesses a flagged tensor (compiler/flags.py) in `plan`."""
+    return frozenset(op.kind for op in plan.ops
+                     if any(plan.tensors[tid].flagged for _, tid in op.operands))
+
+
 def render(plan: Plan, profile: bool = False) -> str:
-    """The megakernel .cu source for `plan` (depends only on plan.kinds, its scratch size and
-    `profile`)."""
-    return render_kinds(plan.kinds, profile, plan.scratch_bytes, dict(plan.constants))
+    """The megakernel .cu source for `plan` (depends only on plan.kinds, its scratch size, its
+    constants, which kinds access flagged tensors and `profile`)."""
+    return render_kinds(plan.kinds, profile, plan.scratch_bytes, dict(plan.constants),
+                        flagged_kinds(plan))
 
 
 def missing_kernels(kinds: Sequence[str], extra_dirs: Sequence[Path] = ()) -> list[str]:

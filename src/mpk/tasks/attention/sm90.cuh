@@ -535,8 +535,8 @@ __device__ __forceinline__ Ctx ctx_of(const mpk::TaskArgs& a) {
   c.out = a.operand<bf16>(O_OUT);
   c.po = a.operand<float>(O_PART_O);
   c.plse = a.operand<float>(O_PART_LSE);
-  c.qkv_ep = dev::flag_epoch(a, O_QKV);
-  c.out_ep = dev::flag_epoch(a, O_OUT);
+  c.qkv_ep = dev::flag_epoch<FLAGGED>(a, O_QKV);
+  c.out_ep = dev::flag_epoch<FLAGGED>(a, O_OUT);
   return c;
 }
 

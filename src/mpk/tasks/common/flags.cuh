@@ -14,8 +14,13 @@ namespace mpk::dev {
 using flag_word = unsigned long long;
 
 // The epoch of operand `slot`'s flagged access in this task's step (the compiler's flag entry,
-// compiler/flags.encode_entry / epoch), or 0 when the operand is plain.
+// compiler/flags.encode_entry / epoch), or 0 when the operand is plain. kFlagged: the kind's
+// FLAGGED (codegen): false when no op of the kind has a flagged operand in the plan, so the
+// epochs are constant zeros and every flagged path folds away (the lookups and the branches
+// they guard cost batch 8's linears ~0.3 us a phase: perf-log, sixteenth session).
+template <bool kFlagged>
 __device__ __forceinline__ uint32_t flag_epoch(const mpk::TaskArgs& a, int slot) {
+  if (!kFlagged) return 0u;
 #pragma unroll
   for (int e = 0; e < REC_FLAG_ENTRIES; ++e) {
     const uint32_t word = static_cast<uint32_t>(a.params[REC_FLAG_PARAMS + e]);

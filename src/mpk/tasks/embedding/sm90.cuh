@@ -24,7 +24,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   const int* prompt = a.operand<const int>(O_PROMPT);
   const bf16* table = a.operand<const bf16>(O_TABLE);
   bf16* out = a.operand<bf16>(O_OUT);
-  const uint32_t ep = dev::flag_epoch(a, O_OUT);
+  const uint32_t ep = dev::flag_epoch<FLAGGED>(a, O_OUT);
   // Flagged: out's words, at column h0 (the element offset halved: h0 and H are even).
   dev::flag_word* words = ep ? reinterpret_cast<dev::flag_word*>(a.base[O_OUT]) +
                                    (reinterpret_cast<bf16*>(out) -

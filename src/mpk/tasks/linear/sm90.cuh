@@ -687,9 +687,9 @@ __device__ __forceinline__ Task task_of(const mpk::TaskArgs& a) {
   t.resid = t.res ? reinterpret_cast<const void*>(a.base[O_RESIDUAL]) : nullptr;
   t.pval = a.operand<float>(O_PART_VAL);
   t.pidx = a.operand<int>(O_PART_IDX);
-  t.x_ep = dev::flag_epoch(a, O_X);
-  t.res_ep = dev::flag_epoch(a, O_RESIDUAL);
-  t.out_ep = dev::flag_epoch(a, O_OUT);
+  t.x_ep = dev::flag_epoch<FLAGGED>(a, O_X);
+  t.res_ep = dev::flag_epoch<FLAGGED>(a, O_RESIDUAL);
+  t.out_ep = dev::flag_epoch<FLAGGED>(a, O_OUT);
   return t;
 }
 
