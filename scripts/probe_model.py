@@ -113,7 +113,7 @@ PROLOGUE_VALID = "  if (st.valid) {\n"
 ATTN_MARK = ("  a.mark(1);  // profiling: every warp's positions are attended (the last pass's mark "
              "stays)\n")
 SCORES_DONE = "    const float ninf = -__int_as_float(0x7f800000);\n"
-BLOCK_DONE = ("    __syncwarp();  // the staged values are read before the next block's copies "
+BLOCK_DONE = ("    __syncwarp();  // the staged rows are read before the next block's copies "
               "overwrite them\n")
 LOOP_DONE = "  // ---- warp state -> smem ----\n"
 USE_O = '    asm volatile("" ::"f"(o[0][0]), "f"(o[MT_MAX - 1][3]), "f"(ot[0]));\n'

@@ -18,7 +18,7 @@ def test_the_probe_dry_run_renders_every_configuration() -> None:
                           text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.strip().splitlines()
-    assert len(lines) == 8 and "32 KB pages: 132 tasks, 5 pages" in done.stdout
+    assert len(lines) == 8 and "32 KB pages: 132 tasks, 6 pages" in done.stdout
 
 
 def test_the_page_patch_is_undone() -> None:

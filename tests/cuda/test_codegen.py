@@ -52,11 +52,14 @@ def test_layout_constants_come_from_record() -> None:
         assert consts[f"REC_{name}"] == value, name
     assert consts["NUM_THREADS"] == 256
     plan = small_plan()
-    assert consts["SMEM_BYTES"] == plan.scratch_bytes == 16 * 1024
+    assert plan.scratch_bytes == 16 * 1024
     assert consts["PAGE_BYTES"] == 16 * 1024 and consts["NUM_PAGES"] == codegen.MAX_PAGES
+    # A task gets what the pages leave: at least the plan's scratch, all of shared memory used.
+    assert consts["SMEM_BYTES"] == codegen.task_scratch_bytes(plan.scratch_bytes) >= \
+        plan.scratch_bytes
     assert consts["DYN_SMEM_BYTES"] == consts["NUM_PAGES"] * consts["PAGE_BYTES"] + \
         consts["SMEM_BYTES"] == codegen.dynamic_smem_bytes(plan.scratch_bytes)
-    assert consts["DYN_SMEM_BYTES"] + codegen.STATIC_RESERVE <= codegen.SMEM_LIMIT
+    assert consts["DYN_SMEM_BYTES"] + codegen.STATIC_RESERVE == codegen.SMEM_LIMIT
     assert consts["PARAM_WORDS"] == record.PARAM_WORDS
     assert consts["MPK_ABI_VERSION"] == codegen.ABI_VERSION
     assert consts["ERR_WORDS"] == codegen.ERROR_WORDS

@@ -84,7 +84,9 @@ def test_real_task_kernels_compile_clean(cache_root: Path) -> None:
     qkv and writes a flagged out (fifteenth session): 84 B stored, 236 B reloaded, located with
     `nvdisasm -gi`: attention's prologue set-up (row_setup, the RoPE rows' loop) and its context
     scalars (stored at entry, reloaded at the merge), moe_router's, argmax's and allreduce's
-    set-up, once per task each; none in a KV, weight or poll loop. The plans
+    set-up, once per task each; none in a KV, weight or poll loop; with attention's keys staged
+    by cp.async beside its values (sixteenth session): 84 B stored, 224 B reloaded (a version
+    that looked up the key rows' masks again reloaded one scalar in the KV loop: 244 B). The plans
     models compile stay at zero (test_qwen3_0_6b_megakernel_compiles_clean, the tensor-parallel one, the MoE ones;
     qwen3-8b, llama-3.2-1b and smollm2-135m were checked by hand). The prefill plan's own kinds
     build in the next test, as the prefill plans combine them."""

@@ -24,7 +24,9 @@ from mpk.tasks.base import PAGE_BYTES, StreamLayout
 from mpk.tensors import Role
 
 ARENA_ALIGN = 256
-SCRATCH_ROUND = 16 * 1024  # Plan.scratch_bytes granularity (one CUDA build per size)
+# Plan.scratch_bytes granularity. A backend sizes its buffers from it (the CUDA runtime gives a
+# task whatever its weight pages leave, so its build depends on the page count alone).
+SCRATCH_ROUND = 1024
 
 
 def compile_graph(graph: Graph, num_sms: int = DEFAULT_NUM_SMS, *, fuse_ops: bool = True,

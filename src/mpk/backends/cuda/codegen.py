@@ -4,8 +4,9 @@ The template has five holes, all filled from data, never from hand-kept lists:
   OPTIONS    `#define MPK_PROFILE 1` in the profiling build (per-record timer stamps), else a
              comment: the macro is the only difference between the two builds; and
              `#define MPK_TASK_PARAMS 1` when a kind reads the launch's Params (TaskArgs::p);
-  CONSTANTS  record layout (record.layout_constants() as REC_<NAME>), runtime sizes (the task
-             scratch and the page ring follow from Plan.scratch_bytes), the error buffer layout
+  CONSTANTS  record layout (record.layout_constants() as REC_<NAME>), runtime sizes (the page
+             ring follows from Plan.scratch_bytes, the task scratch is what the pages leave:
+             task_scratch_bytes), the error buffer layout
              (ERROR_FIELDS below, shared with the executor), the SAMPLING and RUNS row
              layouts (tasks/sampling.py, tasks/runs.py) and the ABI version;
   KINDS      for each kind of the plan (kind id = index in plan.kinds): its operand slots
@@ -14,7 +15,7 @@ The template has five holes, all filled from data, never from hand-kept lists:
              `#include "<kind>/sm90.cuh"` (resolved against mpk/tasks);
   DISPATCH   `case <kind id>: mpk::kinds::<kind>::run(a); break;`;
   KIND_NAMES the kind-name table for profilers and error messages.
-The rendered source depends only on the plan's kinds (in order), its scratch size, constants,
+The rendered source depends only on the plan's kinds (in order), its page count, constants,
 flagged kinds and the profiling flag, not on its tables, so one build serves every plan that
 shares them.
 """
@@ -100,14 +101,21 @@ def num_pages(scratch_bytes: int) -> int:
     return pages
 
 
+def task_scratch_bytes(scratch_bytes: int) -> int:
+    """The scratch a task gets next to a plan's `scratch_bytes` (at least that): whatever the
+    weight pages leave, so that plans with the same page count share one build (SMEM_BYTES)."""
+    return SMEM_LIMIT - STATIC_RESERVE - num_pages(scratch_bytes) * PAGE_BYTES
+
+
 def dynamic_smem_bytes(scratch_bytes: int) -> int:
     """The runtime's dynamic shared memory: the weight pages, then the task scratch."""
-    return num_pages(scratch_bytes) * PAGE_BYTES + scratch_bytes
+    return num_pages(scratch_bytes) * PAGE_BYTES + task_scratch_bytes(scratch_bytes)
 
 
 def constants_block(scratch_bytes: int = 16 * 1024) -> str:
     """C++ constants shared by the runtime and the tasks (`inline` so unused ones don't warn)."""
     pages = num_pages(scratch_bytes)
+    scratch_bytes = task_scratch_bytes(scratch_bytes)
     lines = [f"inline constexpr int REC_{name} = {value};"
              for name, value in sorted(record.layout_constants().items())]
     lines += [

@@ -71,16 +71,22 @@ struct Ctx {
 };
 
 // Shared memory (one (row, head) at a time):
-//   wo [kWarps][8][D] f32 | wm, wl [kWarps][8] f32 | ps [kWarps][2][8][16] bf16 |
+//   wo [kWarps][8][D] f32 | kst [kWarps][16][D] bf16 (a block's keys; kStageKeys) |
+//   wm, wl [kWarps][8] f32 | ps [kWarps][2][8][16] bf16 |
 //   qs [G][D] bf16 (prepared queries) | knew, vnew [B][D] bf16 (this step's keys and values, by
 //   position from the split's first one: at most B, a run's width) |
 //   buf [kWarps][D] f32 (RoPE partners) | pre (the prologue's Setup) | rope [B][D] f32 (the
 //   table rows of this step's positions f0 .. p) | qn, kn [D] f32 (norm weights) | pages [..] i32
+// Keys staged in shared memory (kst) up to head_dim 128; larger heads read them from L2 (at 256
+// the staging, 64 KB, would leave a 16-row run too few weight pages).
+constexpr bool kStageKeys = ATTN_MAX_HEAD_DIM <= 128;
+
 struct Layout {
-  int wo, wm, wl, ps, qs, knew, vnew, buf, pre, rope, norm, pages, max_pages;
+  int wo, kst, wm, wl, ps, qs, knew, vnew, buf, pre, rope, norm, pages, max_pages;
   __device__ Layout(const Ctx& c) {
     wo = 0;
-    wm = wo + kWarps * 8 * c.D * 4;
+    kst = wo + kWarps * 8 * c.D * 4;
+    wm = kst + (kStageKeys ? kWarps * 16 * c.D * 2 : 0);
     wl = wm + kWarps * 8 * 4;
     ps = wl + kWarps * 8 * 4;
     qs = ps + kWarps * 2 * 8 * 16 * 2;
@@ -226,31 +232,32 @@ __device__ __forceinline__ void attend(const mpk::TaskArgs& a, const Ctx& c, con
   auto in_smem = [&](const bf16* row) -> bool {
     return reinterpret_cast<uintptr_t>(row) - fresh_base < fresh_bytes;
   };
-  // 16 (8, 4) bytes of a row at element e: shared memory for this step's rows, else L2.
-  auto ld16 = [&](const bf16* row, int e) -> uint4 {
+
+  // The keys of a block [pb, pb + 16) go to this warp's part of kst (kStageKeys), its values to
+  // its part of wo (free until the merge: 8 x D f32 is 16 x D bf16), two lanes per position:
+  // cached rows by cp.async, this step's rows copied from shared memory, masked rows as zeros.
+  // Both are issued together, so a block waits for one L2 round trip (keys loaded from L2 into
+  // registers and used by the score MMAs one 32-d chunk at a time were KJ round trips in a row:
+  // perf-log, sixteenth session).
+  bf16* kst = reinterpret_cast<bf16*>(smem + L.kst) + warp * 16 * D;
+  bf16* vst = reinterpret_cast<bf16*>(wo + warp * 8 * D);
+  // 16 (8) bytes of a key row at element e: staged (kStageKeys), or this step's row in shared
+  // memory, a cached one in L2, zeros when masked (nullptr).
+  auto key16 = [&](const bf16* row, int e) -> uint4 {
+    if (kStageKeys || in_smem(row)) return *reinterpret_cast<const uint4*>(row + e);
     if (row == nullptr) return make_uint4(0u, 0u, 0u, 0u);
-    if (in_smem(row)) return *reinterpret_cast<const uint4*>(row + e);
     return dev::ld_act_v4(row + e);
   };
-  auto ld8 = [&](const bf16* row, int e) -> uint2 {
+  auto key8 = [&](const bf16* row, int e) -> uint2 {
+    if (kStageKeys || in_smem(row)) return *reinterpret_cast<const uint2*>(row + e);
     if (row == nullptr) return make_uint2(0u, 0u);
-    if (in_smem(row)) return *reinterpret_cast<const uint2*>(row + e);
     return dev::ld_act_v2(row + e);
   };
-  auto ld4 = [&](const bf16* row, int e) -> uint32_t {
-    if (row == nullptr) return 0u;
-    if (in_smem(row)) return *reinterpret_cast<const uint32_t*>(row + e);
-    return dev::ld_act_u32(row + e);
-  };
-
-  // The values of a block [pb, pb + 16) go to this warp's part of wo (free until the merge: 8 x
-  // D f32 is 16 x D bf16), two lanes per position: cached rows by cp.async, this step's rows
-  // copied from shared memory, masked rows as zeros. They land while the scores are computed.
-  bf16* vst = reinterpret_cast<bf16*>(wo + warp * 8 * D);
-  auto stage_values = [&](int pb) {
+  // Returns whether position pb + lane / 2 is attended (not masked).
+  auto stage_rows = [&](const bf16* cache, const bf16* fresh, bf16* dst_rows, int pb) -> bool {
     const int q = lane >> 1, half = D / 2;
-    const bf16* row = row_of(c.vc, vnew, pb + q);
-    bf16* dst = vst + q * D + (lane & 1) * half;
+    const bf16* row = row_of(cache, fresh, pb + q);
+    bf16* dst = dst_rows + q * D + (lane & 1) * half;
     const int e0 = (lane & 1) * half;
     for (int e = 0; e < half; e += 8) {
       if (row == nullptr)
@@ -260,7 +267,7 @@ __device__ __forceinline__ void attend(const mpk::TaskArgs& a, const Ctx& c, con
       else
         dev::cp_async_act16(dst + e, row + e0 + e);
     }
-    dev::cp_async_commit();
+    return row != nullptr;
   };
 
   float m0 = kNegBig, m1 = kNegBig, l0 = 0.f, l1 = 0.f;  // heads 2t, 2t+1
@@ -272,23 +279,45 @@ __device__ __forceinline__ void attend(const mpk::TaskArgs& a, const Ctx& c, con
   const int nblk = (n + 15) / 16;
   for (int bk = warp; bk < nblk; bk += kWarps) {
     const int pb = R.lo + bk * 16;
-    // ---- scores: K rows r, r+8 ----
-    const bf16* ka = row_of(c.kc, knew, pb + r);
-    const bf16* kb = row_of(c.kc, knew, pb + r + 8);
-    stage_values(pb);  // in flight with the keys' loads
+    // ---- the block's keys and values, then the scores: K rows r, r+8 ----
+    const bf16 *kra, *krb;  // the rows (staged, or where they are)
+    bool ka, kb;            // attended (else masked)
+    if constexpr (kStageKeys) {
+      // Bit 2q: position pb + q is attended (lanes 2q and 2q + 1 staged it).
+      const unsigned attended = __ballot_sync(0xffffffffu, stage_rows(c.kc, knew, kst, pb));
+      stage_rows(c.vc, vnew, vst, pb);
+      dev::cp_async_commit();
+      ka = (attended >> (2 * r)) & 1u;
+      kb = (attended >> (2 * r + 16)) & 1u;
+      kra = kst + r * D;
+      krb = kst + (r + 8) * D;
+      dev::cp_async_wait_all();
+      __syncwarp();  // every lane's copies of the block's keys and values have landed
+    } else {
+      kra = row_of(c.kc, knew, pb + r);
+      krb = row_of(c.kc, knew, pb + r + 8);
+      ka = kra != nullptr;
+      kb = krb != nullptr;
+      stage_rows(c.vc, vnew, vst, pb);  // in flight with the keys' loads
+      dev::cp_async_commit();
+    }
     float sc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < KJ_MAX; ++j) {
       if (j >= KJ) break;
-      const uint4 a = ld16(ka, 32 * j + 8 * t), b = ld16(kb, 32 * j + 8 * t);
+      const uint4 a = key16(kra, 32 * j + 8 * t), b = key16(krb, 32 * j + 8 * t);
       const uint4 q = *reinterpret_cast<const uint4*>(qrow + 32 * j + 8 * t);
       dev::mma_bf16_16816(sc, a.x, b.x, a.y, b.y, q.x, q.y);
       dev::mma_bf16_16816(sc, a.z, b.z, a.w, b.w, q.z, q.w);
     }
     if (tail) {
-      const uint2 a = ld8(ka, 32 * KJ + 4 * t), b = ld8(kb, 32 * KJ + 4 * t);
+      const uint2 a = key8(kra, 32 * KJ + 4 * t), b = key8(krb, 32 * KJ + 4 * t);
       const uint2 q = *reinterpret_cast<const uint2*>(qrow + 32 * KJ + 4 * t);
       dev::mma_bf16_16816(sc, a.x, b.x, a.y, b.y, q.x, q.y);
+    }
+    if constexpr (!kStageKeys) {
+      dev::cp_async_wait_all();
+      __syncwarp();  // every lane's copies of the block's values have landed
     }
     const float ninf = -__int_as_float(0x7f800000);
     const float s0 = ka ? sc[0] * c.scale2 : ninf;  // pos r,   head 2t
@@ -337,8 +366,6 @@ __device__ __forceinline__ void attend(const mpk::TaskArgs& a, const Ctx& c, con
     const uint32_t bl0 = dev::lds_u32(pbase + 256), bl1 = dev::lds_u32(pbase + 256 + 16);
     __syncwarp();
     // ---- O^T += V^T P^T: V rows of positions 2t, 2t+1, 2t+8, 2t+9 (staged) ----
-    dev::cp_async_wait_all();
-    __syncwarp();  // every lane's copies of the block's values have landed
     const bf16* vr[4];
 #pragma unroll
     for (int qd = 0; qd < 4; ++qd) vr[qd] = vst + (2 * t + (qd & 1) + 8 * (qd >> 1)) * D;
@@ -367,7 +394,7 @@ __device__ __forceinline__ void attend(const mpk::TaskArgs& a, const Ctx& c, con
       dev::mma_bf16_16816(ot, a0, a1, a2, a3, bh0, bh1);
       dev::mma_bf16_16816(ot, a0, a1, a2, a3, bl0, bl1);
     }
-    __syncwarp();  // the staged values are read before the next block's copies overwrite them
+    __syncwarp();  // the staged rows are read before the next block's copies overwrite them
   }
 
   // ---- warp state -> smem ----
@@ -557,10 +584,14 @@ MPK_TASK_ENTRY void prologue(const mpk::TaskArgs& a) {
   const Layout L(c);
   Setup st;
   st.valid = row_setup(c, L, a.smem, a.point(2), a.step, st.p, st.f0, st.crow, st.R);
+  // Stored before the loads below, so that only p and f0 stay live across them (register
+  // pressure here spills in the runtime's loop around the prologue).
+  if (threadIdx.x == 0) *reinterpret_cast<Setup*>(a.smem + L.pre) = st;
   if (st.valid) {
+    const int p = st.p, f0 = st.f0;
     float* rope = reinterpret_cast<float*>(a.smem + L.rope);
-    const float* rows = c.rope + (long long)st.f0 * c.D;
-    for (int e = threadIdx.x; e < (st.p - st.f0 + 1) * c.D; e += NUM_THREADS)
+    const float* rows = c.rope + (long long)f0 * c.D;
+    for (int e = threadIdx.x; e < (p - f0 + 1) * c.D; e += NUM_THREADS)
       rope[e] = dev::ld_act_f32(rows + e);
     float* nw = reinterpret_cast<float*>(a.smem + L.norm);
     for (int e = threadIdx.x; c.norm && e < c.D; e += NUM_THREADS) {
@@ -568,7 +599,6 @@ MPK_TASK_ENTRY void prologue(const mpk::TaskArgs& a) {
       nw[c.D + e] = dev::ld_weight_bf16f(c.kn + e);
     }
   }
-  if (threadIdx.x == 0) *reinterpret_cast<Setup*>(a.smem + L.pre) = st;
   mpk::task_sync();
 }
 

@@ -170,13 +170,15 @@ class Attention(TaskKind):
                 "eps": op.attrs["eps"]}
 
     def scratch_bytes(self, op: OpView) -> int:
-        # sm90.cuh's Layout: per-warp (m, l, O) states, the P transposes, the prepared queries,
-        # this step's keys and values (up to one per batch row: a run's width), the per-warp
-        # RoPE buffers, the prologue's setup, RoPE rows (one per batch row) and norm weights,
-        # >= 1024 page-table entries
+        # sm90.cuh's Layout: per-warp (m, l, O) states, a block's keys per warp (heads up to
+        # 128: kStageKeys), the P transposes, the prepared queries, this step's keys and values
+        # (up to one per batch row: a run's width), the per-warp RoPE buffers, the prologue's
+        # setup, RoPE rows (one per batch row) and norm weights, >= 1024 page-table entries
         d = op.shape("k_cache")[3]
         group, batch = self.param_values(op)["group"], op.shape("qkv")[0]
-        return (8 * 8 * d * 4 + 2 * 8 * 8 * 4 + 8 * 2 * 8 * 16 * 2 + -(-group * d * 2 // 16) * 16
+        keys = 8 * 16 * d * 2 if d <= 128 else 0
+        return (8 * 8 * d * 4 + keys + 2 * 8 * 8 * 4 + 8 * 2 * 8 * 16 * 2
+                + -(-group * d * 2 // 16) * 16
                 + 2 * batch * d * 2 + 8 * d * 4 + 64 + batch * d * 4 + 2 * d * 4 + 4096)
 
     def reference(self, tile: Tile) -> None:
