@@ -4,6 +4,8 @@ share a sequence, rows outside the rope table (kernel_helpers.py: poisoned outpu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -24,20 +26,10 @@ def attention_case(group: int, d: int, splits: int, lengths=(1, 17, 300), steps:
     replaces the rows' RUNS words (bad words are clamped alike on both sides); `max_pages`
     the page table's width."""
     g = gen(seed)
-    widths = widths or (1,) * len(lengths)
-    batch, page_size = sum(widths), 16
-    max_pages = max_pages or (max(n + steps * w for n, w in zip(lengths, widths)) +
-                              page_size - 1) // page_size + 1
-    num_pages = len(lengths) * max_pages
-    seq_pages = torch.randperm(num_pages, generator=g).to(torch.int32).reshape(-1, max_pages)
-    rows = [(j, i) for j, w in enumerate(widths) for i in range(w)]
-    table = torch.stack([seq_pages[j] for j, _ in rows])
-    runs = torch.tensor(runs or [[i, widths[j]] for j, i in rows], dtype=torch.int32)
-    cache = (num_pages, page_size, kv_heads, d)
-    max_pos = max_pos or max_pages * page_size
-    starts = [lengths[j] - 1 + i for j, i in rows]
-    assert_writes_distinct(starts, runs, table, steps,
-                           min(max_pos, max_pages * page_size), page_size)
+    rows = case_rows(g, lengths, widths, runs, steps, max_pages, max_pos)
+    starts, runs, table, max_pos = rows.starts, rows.runs, rows.table, rows.max_pos
+    batch, max_pages, page_size = len(starts), table.shape[1], PAGE_SIZE
+    cache = (rows.num_pages, page_size, kv_heads, d)
     width = kv_heads * (group + 2) * d
     graph = Graph()
     graph.add_tensor("qkv", (batch, width), BF16, Role.IO)
@@ -72,17 +64,65 @@ def attention_case(group: int, d: int, splits: int, lengths=(1, 17, 300), steps:
     assert_close(cpu["v_cache"], gpu["v_cache"], "v_cache", exact=True)
 
 
-def assert_writes_distinct(starts: list[int], runs: torch.Tensor, table: torch.Tensor,
-                           steps: int, limit: int, page_size: int) -> None:
-    """A case is well posed only if no two rows write the same cache slot in one step: which of
-    two such writes lands is unordered on the GPU (the interpreter keeps the last row's)."""
+PAGE_SIZE = 16
+
+
+@dataclass(frozen=True)
+class CaseRows:
+    starts: list[int]     # each row's position at step 0
+    runs: torch.Tensor    # [B, 2] run words
+    table: torch.Tensor   # [B, max_pages] page table (a run's rows share their sequence's)
+    num_pages: int
+    max_pos: int
+
+
+def case_rows(g: torch.Generator, lengths: tuple[int, ...], widths: tuple[int, ...] | None,
+              runs: list[list[int]] | None, steps: int, max_pages: int | None,
+              max_pos: int | None) -> CaseRows:
+    """attention_case's rows: a sequence per length (its pages a random slice of the pool),
+    widths[j] rows in sequence j's run; checked well posed (assert_well_posed)."""
+    widths = widths or (1,) * len(lengths)
+    max_pages = max_pages or (max(n + steps * w for n, w in zip(lengths, widths)) +
+                              PAGE_SIZE - 1) // PAGE_SIZE + 1
+    num_pages = len(lengths) * max_pages
+    seq_pages = torch.randperm(num_pages, generator=g).to(torch.int32).reshape(-1, max_pages)
+    rows = [(j, i) for j, w in enumerate(widths) for i in range(w)]
+    table = torch.stack([seq_pages[j] for j, _ in rows])
+    words = torch.tensor(runs or [[i, widths[j]] for j, i in rows], dtype=torch.int32)
+    max_pos = max_pos or max_pages * PAGE_SIZE
+    starts = [lengths[j] - 1 + i for j, i in rows]
+    assert_well_posed(starts, words, table, steps, min(max_pos, max_pages * PAGE_SIZE),
+                      PAGE_SIZE)
+    return CaseRows(starts, words, table, num_pages, max_pos)
+
+
+def assert_well_posed(starts: list[int], runs: torch.Tensor, table: torch.Tensor, steps: int,
+                      limit: int, page_size: int) -> None:
+    """A case is well posed only if, in every step, no two rows write the same cache slot and
+    no row reads from the cache a slot another row writes (a row reads the cached positions
+    before its run's rows of the step): the GPU orders neither (the interpreter runs the rows in
+    order, so it would see the other row's write). Clamped run words can make a row treat
+    positions another row writes now as cached ones."""
+    def slot(row: int, pos: int) -> tuple[int, int]:
+        return int(table[row, pos // page_size]), pos % page_size
+
     for step in range(steps):
-        slots = []
+        written: dict[tuple[int, int], int] = {}
         for row, start in enumerate(starts):
             pos = start + step * row_run(runs[row], row)[1]
             if pos < limit:
-                slots.append((int(table[row, pos // page_size]), pos % page_size))
-        assert len(set(slots)) == len(slots), f"test bug: rows share a cache slot at step {step}"
+                assert slot(row, pos) not in written, \
+                    f"test bug: rows share a cache slot at step {step}"
+                written[slot(row, pos)] = row
+        for row, start in enumerate(starts):
+            index, width = row_run(runs[row], row)
+            pos = start + step * width
+            if pos >= limit:
+                continue  # attends to nothing
+            for q in range(min(pos - index, table.shape[1] * page_size)):
+                writer = written.get(slot(row, q), row)
+                assert writer == row, (f"test bug: row {row} reads position {q} from the cache "
+                                       f"while row {writer} writes it at step {step}")
 
 
 @pytest.mark.parametrize("d", [16, 32, 64, 80, 96, 128, 256])
@@ -118,11 +158,16 @@ def test_attention_a_run_of_sixteen_rows_at_head_dim_256():
     attention_case(4, 256, 1, lengths=(30,), widths=(16,), qk_norm=False, seed=5)
 
 
+BAD_RUN_WORDS = [[5, 0], [-3, -1], [9, 2], [1, 4], [7, 2]]
+
+
 def test_attention_bad_run_words_are_clamped_alike():
     """Index past the row or the width, width 0 or negative: the kernel clamps the words as
-    tasks/runs.py does (a wrong answer for that row at worst, never an access outside it)."""
-    attention_case(2, 64, 2, lengths=(3, 20, 9), widths=(2, 1, 2),
-                   runs=[[5, 0], [-3, -1], [9, 2], [1, 4], [7, 2]], steps=2, seed=31)
+    tasks/runs.py does (a wrong answer for that row at worst, never an access outside it).
+    Each row has a sequence of its own: bad words on rows sharing one made a row read, as
+    cached, a slot another row wrote in the same step, which the GPU does not order (it
+    passed by timing until the sixteenth session; assert_well_posed now refuses it)."""
+    attention_case(2, 64, 2, lengths=(3, 20, 9, 5, 12), runs=BAD_RUN_WORDS, steps=2, seed=31)
 
 
 def test_attention_a_run_past_its_page_table():
