@@ -15,6 +15,8 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
   attn_l2pf  attention's prologue prefetches the cached keys and values to L2 (evict_last),
   attn_m_scores, attn_m_block, attn_m_loop  attention's COMPUTE mark at warp 0's scores, first
              block, loop end (where its compute goes),
+  attn_m_polled  attention's INPUT mark once the flagged qkv is polled (before prepare),
+  lin_m_allwalked  a linear's COMPUTE mark once every warp's walk of a shared block is done,
   no_units   the page protocol without the units (timing only),
   no_xread   ablation (wrong outputs, timing only): the linear staging stores zeros where its
              cp.async copies of x would land (no global read of the input),
@@ -122,6 +124,21 @@ PATCHES["attn_m_scores"] = {"attention/sm90.cuh": [(ATTN_MARK, ""), (SCORES_DONE
     "    a.mark(1);\n") + SCORES_DONE)]}
 PATCHES["attn_m_block"] = {"attention/sm90.cuh": [(ATTN_MARK, ""), (BLOCK_DONE, USE_O + "    a.mark(1);\n" + BLOCK_DONE)]}
 PATCHES["attn_m_loop"] = {"attention/sm90.cuh": [(ATTN_MARK, ""), (LOOP_DONE, USE_O.replace("    ", "  ", 1) + "  a.mark(1);\n" + LOOP_DONE)]}
+# Where a linear's epilogue goes (timing; same results): COMPUTE := every warp's walk of the
+# block done (their sums forced into registers, then a barrier) instead of warp 0's: the rest
+# of the epilogue is the cross-warp reduction, the residual and the stores.
+SHARED_WALK = ("          walk(t, s, pc, pbase, u0, nb, nk, r);\n          a.mark(1);\n"
+               "          finish_shared(")
+PATCHES["lin_m_allwalked"] = {"linear/sm90.cuh": [(SHARED_WALK, (
+    "          walk(t, s, pc, pbase, u0, nb, nk, r);\n"
+    '          asm volatile("" ::"f"(r[0]), "f"(r[1]), "f"(r[2]), "f"(r[3]));\n'
+    "          mpk::task_sync();\n          a.mark(1);\n          finish_shared("))]}
+# Where attention's input goes (timing; same results): INPUT := the flagged qkv polled (before
+# prepare's norms, RoPE and KV append) instead of after prepare.
+QKV_POLLED = "    stage_flagged_qkv(a, c, L);\n    mpk::task_sync();\n"
+PATCHES["attn_m_polled"] = {"attention/sm90.cuh": [
+    ("  a.mark(0);  // profiling: the inputs are prepared\n", ""),
+    (QKV_POLLED, QKV_POLLED + "    a.mark(0);\n")]}
 PATCHES["attn_l2pf"] = {"attention/sm90.cuh": [(PROLOGUE_VALID, PROLOGUE_VALID + (
     "    for (int i = threadIdx.x, lines = c.D / 64, hi = min(st.R.hi, st.f0);\n"
     "         i < max(0, hi - st.R.lo) * 2 * lines; i += NUM_THREADS) {\n"
@@ -233,7 +250,7 @@ PATCHES["moe_down_kv3"] = {"moe_down/sm90.cuh": [("constexpr int kV = 2;", "cons
 PATCHES["moe_inflight2x"] = {
     "moe_gate_up/sm90.cuh": [("constexpr int kV = 4;", "constexpr int kV = 8;")],
     "moe_down/sm90.cuh": [("constexpr int kV = 2;", "constexpr int kV = 4;")]}
-RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "attn_nokv", "attn_l2pf": "attn_l2pf", "attn_m_scores": "attn_m_scores", "attn_m_block": "attn_m_block", "attn_m_loop": "attn_m_loop", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
+RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "attn_nokv", "attn_l2pf": "attn_l2pf", "attn_m_scores": "attn_m_scores", "attn_m_block": "attn_m_block", "attn_m_loop": "attn_m_loop", "lin_m_allwalked": "lin_m_allwalked", "attn_m_polled": "attn_m_polled", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
         "sparse_timer": "sparse_timer",
         "no_loader_no_units": "no_loader_no_units",
         "no_loader_bare_units": "no_loader_bare_units",
