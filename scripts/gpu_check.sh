@@ -19,6 +19,11 @@
 #                                          + SDPA) on qwen3-0.6b and qwen3-8b (PREFILL, default
 #                                          2048), then the serving bench with long prompts
 #                                          (64-1024 tokens) on qwen3-0.6b
+#   bash scripts/gpu_check.sh attention    the attention and flag kernel tests, every buffer of the
+#                                          small models and their teacher-forced runs, mpk bench
+#                                          qwen3-0.6b at batch 1 and 8, then probe_model.py's
+#                                          attention and linear phase marks (perf-log, sixteenth
+#                                          session: what the next attention and epilogue work needs)
 #   bash scripts/gpu_check.sh serve        mpk bench --serving (engine: 16 slots vs one request,
 #                                          outputs equal solo runs) on qwen3-0.6b and qwen3-8b, then
 #                                          scripts/bench_serve.py against `mpk serve --backend cuda`
@@ -138,6 +143,18 @@ case $mode in
       "runs or batched or tiny"
     step bench-qwen3-0.6b-b1 120 python3 -m mpk bench --model qwen3-0.6b --new-tokens 100
     ;;
+  attention)
+    step kernels_attention 150 $PYTEST tests/gpu/test_kernels_attention.py tests/gpu/test_flags.py \
+      || exit $status
+    step model_attention 240 $PYTEST --timeout 200 tests/gpu/test_model_gpu.py -k \
+      "(every_buffer and (tiny or 0.6b or llama-3.2-1b-1)) or (teacher_forced and (0.6b or llama))"
+    for batch in 1 8; do
+      step "bench-qwen3-0.6b-b$batch" 120 python3 -m mpk bench --model qwen3-0.6b --batch "$batch" \
+        --new-tokens 100
+    done
+    step probe_marks 200 bash -c "cd scripts && python3 probe_model.py --model qwen3-0.6b \
+      --steps 30 --runs none,attn_m_polled,attn_m_scores,attn_m_block,lin_m_allwalked"
+    ;;
   prefill)
     step kernels_prefill 150 $PYTEST tests/gpu/test_kernels_prefill.py || exit $status
     step model_prefill 300 $PYTEST --timeout 280 tests/gpu/test_model_gpu.py -k prefill_plan
@@ -150,8 +167,8 @@ case $mode in
     [ "${SERVING_LONG:-1}" = 1 ] && step bench-serving-long 200 python3 -m mpk bench --serving --model qwen3-0.6b \
       --requests 32 --max-batch 16 --prompt-len 64:1024 --json
     ;;
-  *) echo "unknown mode $mode (use correctness, real, perf, probe, wgmma, tp, serve, runs or" \
-       "prefill)"
+  *) echo "unknown mode $mode (use correctness, real, perf, probe, wgmma, tp, serve, runs," \
+       "prefill or attention)"
      exit 2 ;;
 esac
 exit $status
