@@ -36,6 +36,9 @@ from mpk.tasks import runs
 from mpk.tasks.registry import register
 
 MAX_HEAD_DIM = 256
+# Heads up to this build sm90.cuh's smaller register arrays (ATTN_MAX_HEAD_DIM) and stage a
+# block's keys in shared memory (kStageKeys); larger ones read the keys from L2.
+SMALL_HEAD_DIM = 128
 
 
 def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -75,7 +78,7 @@ class Attention(TaskKind):
               Param("has_qk_norm"), Param("eps", is_float=True))
     attrs = {"scale": 0.0, "eps": 1e-6}  # scale 0 means head_dim ** -0.5
     # sm90.cuh sizes its register arrays for heads up to this: 128, or 256 when a plan needs it
-    cuda_defaults = {"ATTN_MAX_HEAD_DIM": 128}
+    cuda_defaults = {"ATTN_MAX_HEAD_DIM": SMALL_HEAD_DIM}
 
     def flag_operands(self, op: OpView) -> frozenset[str]:
         # qkv's words of the task's KV head (every row) are polled into the warps' output
@@ -91,7 +94,8 @@ class Attention(TaskKind):
         return frozenset(names)
 
     def cuda_constants(self, op: OpView) -> dict[str, int]:
-        return {"ATTN_MAX_HEAD_DIM": 128 if op.shape("k_cache")[3] <= 128 else MAX_HEAD_DIM}
+        d = op.shape("k_cache")[3]
+        return {"ATTN_MAX_HEAD_DIM": SMALL_HEAD_DIM if d <= SMALL_HEAD_DIM else MAX_HEAD_DIM}
 
     def default_splits(self, grid, tensors):
         return {"qkv": (1, None, None), "k_cache": (2, None, None), "v_cache": (2, None, None),
@@ -176,7 +180,7 @@ class Attention(TaskKind):
         # setup, RoPE rows (one per batch row) and norm weights, >= 1024 page-table entries
         d = op.shape("k_cache")[3]
         group, batch = self.param_values(op)["group"], op.shape("qkv")[0]
-        keys = 8 * 16 * d * 2 if d <= 128 else 0
+        keys = 8 * 16 * d * 2 if d <= SMALL_HEAD_DIM else 0
         return (8 * 8 * d * 4 + keys + 2 * 8 * 8 * 4 + 8 * 2 * 8 * 16 * 2
                 + -(-group * d * 2 // 16) * 16
                 + 2 * batch * d * 2 + 8 * d * 4 + 64 + batch * d * 4 + 2 * d * 4 + 4096)
