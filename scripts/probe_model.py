@@ -43,7 +43,7 @@ import sys
 import tempfile
 
 import numpy as np
-from probe_phases import FINISH, PATCHES, include_dir, probe_build, stamp
+from probe_phases import FINISH, PATCHES, UNIT_MMA, UNIT_W, UNIT_X, include_dir, probe_build, stamp
 from probe_stream import page_config
 
 from mpk.backends.cuda import codegen
@@ -56,8 +56,10 @@ PATCHES["pagewait1"] = {
     "linear/sm90.cuh": [(FINISH, (f"  pc.finish();\n  {stamp('pc.waited + 1ull')}\n"
                                  "  if (t.argmax)"))]}
 # The page protocol without the units. Timing only.
-PATCHES["no_units"] = {"linear/sm90.cuh": [("    if (kWhole || uj < stop) {\n",
-                                            "    if (false) {\n")]}
+PATCHES["no_units"] = {"linear/sm90_walk.cuh": [
+    (UNIT_W, "    ;\n"), (UNIT_X, "    ;\n"), (UNIT_MMA, "    ;\n"),
+    ("        mma_unit((j & 1) ? extra : acc, f.w[j], dev::lds_v4(x + j * xstep),\n"
+     "                 dev::lds_v4(xh + j * xstep));\n", "        ;\n")]}
 # WAIT := when the loader issued the record's last page copy (the consumers' own WAIT stamp is
 # dropped): RUN - WAIT is how far ahead of the task the loader was.
 RECORD_END = "        src += sizes[r];\n      }\n    }\n"
@@ -93,8 +95,8 @@ PATCHES["hint"] = {"ptx.cuh": [(TRY, TRY.replace("%2;", "%2, 0x989680;"))]}
 # Combined ablations with no copies in flight (timing only): the page protocol alone, and the
 # unit loop with neither its MMAs nor its weight loads.
 PATCHES["no_loader_no_units"] = {**PATCHES["no_loader"], **PATCHES["no_units"]}
-PATCHES["no_loader_bare_units"] = {**PATCHES["no_loader"], "linear/sm90.cuh": [
-    *PATCHES["no_mma"]["linear/sm90.cuh"], *PATCHES["no_wload"]["linear/sm90.cuh"]]}
+PATCHES["no_loader_bare_units"] = {**PATCHES["no_loader"], "linear/sm90_walk.cuh": [
+    *PATCHES["no_mma"]["linear/sm90_walk.cuh"], *PATCHES["no_wload"]["linear/sm90_walk.cuh"]]}
 # The controller reads %globaltimer and the abort flag on every poll; here on every 64th only.
 PATCHES["sparse_timer"] = {"runtime.cuh": [
     ("      for (;;) {\n        v = ptx::ld_acquire_u64(ctr);\n        if (v >= target) break;\n",
@@ -203,13 +205,15 @@ PATCHES["moe_noload"] = {
 WALK = ("__device__ __forceinline__ void walk(const Task& t, const Scratch& s, mpk::PageCursor& pc,\n"
         "                                     int pbase, int u0, int nb, int nk, float (&r)[4]) {\n")
 WALK_END = "    mma_block<false>(t, s, pc, pbase, u0, nb, nk, r);\n}\n"
+WALK_STEP = "  const int u = pos.u + pos.n * kWarps;\n"  # walk_step: once a page
 PATCHES["walk_cycles"] = {
     "task_args.cuh": [("  long long limit_ns;",
                        "  long long limit_ns;\n  unsigned probe_cyc = 0, probe_pages = 0;")],
-    "linear/sm90.cuh": [
+    "linear/sm90_walk.cuh": [
         (WALK, WALK + "  const unsigned probe_c0 = (unsigned)clock();\n"),
         (WALK_END, WALK_END[:-2] + "  pc.probe_cyc += (unsigned)clock() - probe_c0;\n}\n"),
-        ("      if (u >= end) break;\n", "      ++pc.probe_pages;\n      if (u >= end) break;\n"),
+        (WALK_STEP, "  ++pc.probe_pages;\n" + WALK_STEP)],
+    "linear/sm90.cuh": [
         (FINISH, "  pc.finish();\n  " + stamp("(unsigned long long)pc.probe_cyc | "
                                             "((unsigned long long)(pc.probe_pages + 1) << 48)")
          + "\n  if (t.argmax)")]}
@@ -218,11 +222,12 @@ PATCHES["walk_cycles"] = {
 PATCHES["walk_clock"] = {
     "task_args.cuh": [("  long long limit_ns;",
                        "  long long limit_ns;\n  unsigned probe_cyc = 0, probe_ns = 0;")],
-    "linear/sm90.cuh": [
+    "linear/sm90_walk.cuh": [
         (WALK, WALK + "  const unsigned probe_c0 = (unsigned)clock();\n"
          "  const unsigned long long probe_t0 = mpk::ptx::globaltimer();\n"),
         (WALK_END, WALK_END[:-2] + "  pc.probe_cyc += (unsigned)clock() - probe_c0;\n"
-         "  pc.probe_ns += (unsigned)(mpk::ptx::globaltimer() - probe_t0);\n}\n"),
+         "  pc.probe_ns += (unsigned)(mpk::ptx::globaltimer() - probe_t0);\n}\n")],
+    "linear/sm90.cuh": [
         (FINISH, "  pc.finish();\n  " + stamp("(unsigned long long)pc.probe_cyc | "
                                             "((unsigned long long)pc.probe_ns << 32) | 1ull")
          + "\n  if (t.argmax)")]}

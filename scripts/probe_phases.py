@@ -43,6 +43,7 @@ from mpk.tasks.registry import TASKS_DIR
 
 CSRC = codegen.CSRC_DIR
 SOURCES = {"linear/sm90.cuh": TASKS_DIR / "linear" / "sm90.cuh",
+           "linear/sm90_walk.cuh": TASKS_DIR / "linear" / "sm90_walk.cuh",
            "attention/sm90.cuh": TASKS_DIR / "attention" / "sm90.cuh",
            "moe_gate_up/sm90.cuh": TASKS_DIR / "moe_gate_up" / "sm90.cuh",
            "moe_down/sm90.cuh": TASKS_DIR / "moe_down" / "sm90.cuh",
@@ -62,10 +63,10 @@ STAMP = stamp()
 STAGE = "    stage_chunk(t, s, nw, ch);\n"
 CHUNK_END = "    if (ch + 1 < t.nch) mpk::task_sync();\n"
 FINISH = "  pc.finish();\n  if (t.argmax)"
-UNIT_X = "      const uint4 a = dev::lds_v4(x + j * xstep);\n"
-UNIT_MMA = ("      mma_unit((j & 1) ? extra : acc, w, a, kWide ? dev::lds_v4(xh + j * xstep) : a);"
-            "\n")
-UNIT_W = "      const uint4 w = dev::lds_v4(wu + j * kWarps * kUnitBytes);\n"
+# The walk's units at batch <= 8 (mma_units, narrow): A reads, MMAs; and a page's weight reads.
+UNIT_X = "    if (kWhole || j < n) a[j] = dev::lds_v4(x + j * xstep);\n"
+UNIT_MMA = "    if (kWhole || j < n) mma_unit((j & 1) ? extra : acc, f.w[j], a[j], a[j]);\n"
+UNIT_W = "    if (kWhole || j < n) f.w[j] = dev::lds_v4(wu + j * kWarps * kUnitBytes);\n"
 FIRST_WAIT = "    if (!ptx::mbar_try_wait(bar, parity)) {\n"
 PAGE_WAIT = """    if (!ptx::mbar_try_wait(bar, parity)) {
       const unsigned long long t0 = ptx::globaltimer();
@@ -125,11 +126,13 @@ PATCHES: dict[str, Patch] = {
     "split_4k": {"runtime.cuh": [(COPY, split_copy(4096))]},
     "split_1k": {"runtime.cuh": [(COPY, split_copy(1024))]},
     # Ablations (wrong results, timing only).
-    "no_mma": {"linear/sm90.cuh": [  # neither the MMAs nor the x loads; weights still read
-        (UNIT_X, ""),
-        (UNIT_MMA, "      ((j & 1) ? extra : acc).p[0] += __uint_as_float(w.x ^ w.y ^ w.z ^ w.w);\n")]},
-    "no_wload": {"linear/sm90.cuh": [  # no weight loads; MMAs on a made-up fragment
-        (UNIT_W, "      const uint4 w = make_uint4(uj, pg, uj ^ 7, pg ^ 5);\n")]},
+    # (batch <= 8: the narrow walk)
+    "no_mma": {"linear/sm90_walk.cuh": [  # neither the MMAs nor the x loads; weights still read
+        (UNIT_X, "    ;\n"),
+        (UNIT_MMA, "    if (kWhole || j < n) ((j & 1) ? extra : acc).p[0] += "
+                   "__uint_as_float(f.w[j].x ^ f.w[j].y ^ f.w[j].z ^ f.w[j].w);\n")]},
+    "no_wload": {"linear/sm90_walk.cuh": [  # no weight loads; MMAs on a made-up fragment
+        (UNIT_W, "    if (kWhole || j < n) f.w[j] = make_uint4(u + j, pg, (u + j) ^ 7, pg ^ 5);\n")]},
     "no_pagewait": {"task_args.cuh": [(FIRST_WAIT, "    if (false) {\n")]},
     "test_wait": {"task_args.cuh": [(FIRST_WAIT, FIRST_WAIT.replace("try_wait", "test_wait"))]},
 }

@@ -86,8 +86,13 @@ def test_real_task_kernels_compile_clean(cache_root: Path) -> None:
     scalars (stored at entry, reloaded at the merge), moe_router's, argmax's and allreduce's
     set-up, once per task each; none in a KV, weight or poll loop; with attention's keys staged
     by cp.async beside its values (sixteenth session): 84 B stored, 224 B reloaded (a version
-    that looked up the key rows' masks again reloaded one scalar in the KV loop: 244 B). The plans
-    models compile stay at zero (test_qwen3_0_6b_megakernel_compiles_clean, the tensor-parallel one, the MoE ones;
+    that looked up the key rows' masks again reloaded one scalar in the KV loop: 244 B). Since the
+    runtime's consumer branch comes first (seventeenth session), ptxas gives the consumers the
+    232 registers their setmaxnreg asks for (before, it kept them within the kernel's 168) and
+    allocates this build differently: 240 B stored, 448 B reloaded, mostly attention's and the
+    runtime's set-up, once per task, but also 4 reloads in attention's tail branch of the KV loop
+    (this build only: no model's plan has all these kinds). The plans models compile stay at
+    zero at batch 1-8; at batch 16 a few bytes of set-up spill (the MoE one below) (test_qwen3_0_6b_megakernel_compiles_clean, the tensor-parallel one, the MoE ones;
     qwen3-8b, llama-3.2-1b and smollm2-135m were checked by hand). The prefill plan's own kinds
     build in the next test, as the prefill plans combine them."""
     kinds = [k for k in all_kinds() if k not in PREFILL_KINDS]
@@ -97,7 +102,7 @@ def test_real_task_kernels_compile_clean(cache_root: Path) -> None:
         pytest.skip(f"no task kernels written yet (missing sm90.cuh: {', '.join(missing)})")
     result = build.compile_source(codegen.render_kinds(present), arch="sm_90a",
                                   cache_root=cache_root)
-    assert_clean(result, cold_spill_bytes=108, cold_reload_bytes=240)
+    assert_clean(result, cold_spill_bytes=240, cold_reload_bytes=448)
 
 
 def test_prefill_plan_kinds_compile_clean(cache_root: Path) -> None:
@@ -105,14 +110,16 @@ def test_prefill_plan_kinds_compile_clean(cache_root: Path) -> None:
     rope_append and attention_prefill are called out of line (their register tiles crowded the
     inlined switch: rope_append's pairs in flight spilled 32 B there); ptxas keeps 8 B of the
     dispatch loop in local memory (12 B reloaded), with 96 B of stack for the calls (eighth
-    session; attention_prefill's own 4 B went with its preparation). Every model's prefill plan
-    has exactly these kinds."""
+    session; attention_prefill's own 4 B went with its preparation). With the consumer branch
+    first (seventeenth session) ptxas spills 12 B more in the dispatch set-up and 12 B in gemm's
+    run_task (its tile loop's scalars, one reload a 64-k tile). Every model's prefill plan has
+    exactly these kinds."""
     graph = build_prefill_graph(get_preset("tiny-qwen3"), PrefillShape(chunk=64), num_sms=4)
     kinds = sorted({op.kind for op in graph.ops})
     assert set(PREFILL_KINDS) <= set(kinds)
     result = build.compile_source(codegen.render_kinds(kinds), arch="sm_90a",
                                   cache_root=cache_root)
-    assert_clean(result, cold_spill_bytes=12, cold_reload_bytes=20)
+    assert_clean(result, cold_spill_bytes=24, cold_reload_bytes=36)
 
 
 def test_broken_source_raises_compile_error(cache_root: Path) -> None:
@@ -158,14 +165,17 @@ def test_qwen3_0_6b_megakernel_compiles_clean(cache_root: Path, lone: bool) -> N
                                              ("qwen3-30b-a3b", 16)])
 def test_moe_megakernel_compiles_clean(cache_root: Path, preset: str, batch: int) -> None:
     """The Qwen3-MoE plans (router, experts' gate/up and down beside the dense kinds): no
-    spills. Batch 16 has a larger scratch (SMEM_BYTES) than batch 1."""
+    spills at batch 1; at batch 16 (the linear walk for 9-16 rows built in) 16 B of set-up
+    (attention's row set-up, the router's, the runtime's start; seventeenth session's SASS).
+    Batch 16 has a larger scratch (SMEM_BYTES) than batch 1."""
     from mpk.compiler.lower import compile_graph
     from mpk.models.builder import DecodeShape, build_graph
     from mpk.models.config import get_preset
 
     plan = compile_graph(build_graph(get_preset(preset), DecodeShape(batch=batch)), 132)
     assert {"moe_router", "moe_gate_up", "moe_down"} <= set(plan.kinds)
-    assert_clean(build.build_plan(plan, arch="sm_90a", cache_root=cache_root))
+    cold = 16 if batch > 8 else 0
+    assert_clean(build.build_plan(plan, arch="sm_90a", cache_root=cache_root), cold, cold)
 
 
 def test_tensor_parallel_megakernel_compiles_clean(cache_root: Path) -> None:

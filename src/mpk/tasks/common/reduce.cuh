@@ -46,4 +46,28 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, uint32_t a0, uint32_t a
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Sixteen warp sums at once: lane l ends with row l / 2's sum over the warp of the lanes' values
+// ss[row] (linear's rmsnorm: every staged row's sum of squares). Each exchange step halves the
+// rows a lane keeps (the upper half when the lane's bit is set; 8, 4, 2, 1 rows), then one
+// butterfly: 16 shuffles in 5 dependent steps, where a warp sum per row was 5 dependent
+// shuffles each, row after row (~0.2 us a row at batch 16: perf-log, twelfth session). One
+// width for every batch: a second instance put ss in local memory (ptxas).
+template <int kHalf>
+__device__ __forceinline__ void keep_half(float (&ss)[16], int lane) {
+  const bool up = (lane & (2 * kHalf)) != 0;
+#pragma unroll
+  for (int r = 0; r < kHalf; ++r) {
+    const float lo = ss[r], hi = ss[r + kHalf];  // values, not a chosen address: registers
+    ss[r] = (up ? hi : lo) + __shfl_xor_sync(0xffffffffu, up ? lo : hi, 2 * kHalf);
+  }
+}
+__device__ __forceinline__ float rows_sum16(float (&ss)[16]) {
+  const int lane = threadIdx.x & 31;
+  keep_half<8>(ss, lane);
+  keep_half<4>(ss, lane);
+  keep_half<2>(ss, lane);
+  keep_half<1>(ss, lane);
+  return ss[0] + __shfl_xor_sync(0xffffffffu, ss[0], 1);
+}
+
 }  // namespace mpk::dev

@@ -1,5 +1,6 @@
 // linear, sm_90a: out = epilogue(prologue(x) @ W^T) for one task's range of outputs, with the
-// weights read from the runtime's shared-memory pages (the loader streamed them ahead).
+// weights read from the runtime's shared-memory pages (the loader streamed them ahead). The MMA
+// walk over a block's pages is in linear/sm90_walk.cuh (this file includes it).
 //
 // The page contents and their order are defined in tasks/linear/geometry.py (read it first):
 // [norm weight page if rmsnorm] then units of 8 stream rows x 32 k (512 B, row-major), ordered
@@ -286,32 +287,9 @@ __device__ __forceinline__ void stage_raw(const Task& t, const Scratch& s, int k
   mpk::task_sync();
 }
 
-// Row lane / 2's sum over the warp of the lanes' 16 values ss[row]. Each exchange step halves the
-// rows a lane keeps (the upper half when the lane's bit is set; 8, 4, 2, 1 rows), then one
-// butterfly: 16 shuffles in 5 dependent steps, where a warp sum per row was 5 dependent
-// shuffles each, row after row (~0.2 us a row at batch 16: perf-log, twelfth session). One
-// width for every batch: a second instance put ss in local memory (ptxas).
-template <int kHalf>
-__device__ __forceinline__ void keep_half(float (&ss)[kMaxB], int lane) {
-  const bool up = (lane & (2 * kHalf)) != 0;
-#pragma unroll
-  for (int r = 0; r < kHalf; ++r) {
-    const float lo = ss[r], hi = ss[r + kHalf];  // values, not a chosen address: registers
-    ss[r] = (up ? hi : lo) + __shfl_xor_sync(0xffffffffu, up ? lo : hi, 2 * kHalf);
-  }
-}
-__device__ __forceinline__ float rows_sum(float (&ss)[kMaxB]) {
-  const int lane = threadIdx.x & 31;
-  keep_half<8>(ss, lane);
-  keep_half<4>(ss, lane);
-  keep_half<2>(ss, lane);
-  keep_half<1>(ss, lane);
-  return ss[0] + __shfl_xor_sync(0xffffffffu, ss[0], 1);
-}
-
 // Sum of squares of the landed (natural-order) rows' first kc elements into red[b][warp] (+= when
 // `add`). Every row at once: a thread's vectors of all rows first, then one warp reduction of all
-// rows (rows_sum). (Splitting the rows between the CTA's halves at batch 9-16 cost the all-kinds
+// rows (dev::rows_sum16). (Splitting the rows between the CTA's halves at batch 9-16 cost the all-kinds
 // build 28 B more spills: tests/cuda/test_nvcc_build.py.)
 __device__ __forceinline__ void sum_squares(const Task& t, const Scratch& s, int kc, bool add) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -329,7 +307,7 @@ __device__ __forceinline__ void sum_squares(const Task& t, const Scratch& s, int
       for (int e = 0; e < 8; ++e) ss[b] = fmaf(f[e], f[e], ss[b]);
     }
   }
-  const float sum = rows_sum(ss);
+  const float sum = dev::rows_sum16(ss);
   const int b = lane >> 1;
   if ((lane & 1) == 0 && b < t.B)
     s.red[b * kWarps + warp] = add ? s.red[b * kWarps + warp] + sum : sum;
@@ -379,106 +357,13 @@ __device__ __forceinline__ void normalize(const Task& t, const Scratch& s, const
   mpk::task_sync();
 }
 
-// ---- the MMA walk over one block ---------------------------------------------------------------
-struct Acc {
-  float p[4], q[4];  // D of MMA 1 (weight words 0, 1) and MMA 2 (words 2, 3) of each unit
-};
+}  // namespace detail
+}  // namespace mpk::kinds::linear
 
-// Units of one page a warp takes (its units are kWarps apart).
-constexpr int kWarpUnitsPerPage = kPageUnits / kWarps;
-static_assert(kPageUnits % kWarps == 0, "a page holds whole rounds of the warps' units");
+#include "linear/sm90_walk.cuh"  // the MMA walk over a block's weight pages
 
-// One unit: the weight read w is both MMAs' B fragments; a and a2 their A fragments (batch <= 8
-// both are the lane's quad of row g; wide, its reads of rows g and g + 8: header).
-__device__ __forceinline__ void mma_unit(Acc& c, const uint4& w, const uint4& a, const uint4& a2) {
-  dev::mma_bf16_16816(c.p, a.x, a.y, a.z, a.w, w.x, w.y);
-  dev::mma_bf16_16816(c.q, a2.x, a2.y, a2.z, a2.w, w.z, w.w);
-}
-
-// This warp's units of one page (units u, u + kWarps, ... below stop), alternating between two
-// accumulator chains. kWhole: all kWarpUnitsPerPage of them, with no per-unit bounds, so the
-// unit loads can run ahead of the MMAs. x (xh): the lane's A fragment address of unit u in row
-// g (g + 8).
-template <bool kWhole, bool kWide>
-__device__ __forceinline__ void page_units(uint32_t pg, int u, int stop, unsigned x, unsigned xh,
-                                           unsigned xstep, Acc& acc, Acc& extra) {
-  const uint32_t wu = pg + ((unsigned)u % kPageUnits) * kUnitBytes;  // unit u in the page
-#pragma unroll
-  for (int j = 0; j < kWarpUnitsPerPage; ++j) {
-    const int uj = u + j * kWarps;
-    if (kWhole || uj < stop) {
-      // Unit uj sits j * kWarps units after unit u on the same page (u is the warp's first unit
-      // of this page): a constant offset.
-      const uint4 w = dev::lds_v4(wu + j * kWarps * kUnitBytes);
-      const uint4 a = dev::lds_v4(x + j * xstep);
-      mma_unit((j & 1) ? extra : acc, w, a, kWide ? dev::lds_v4(xh + j * xstep) : a);
-    }
-  }
-}
-
-// Accumulate this warp's units of a block (task-local units [u0, u0 + nb*nk)) into the lane's
-// outputs r[j] (batch_of(j), row_of(j); zero where the layout leaves none). Page by page: one wait
-// per page, then the page's units (page_units) on two accumulator chains. (One accumulator and a
-// wait, loads and an index division per unit made every unit a ~300-cycle dependent chain:
-// scripts/probe_phases.py.)
-template <bool kWide>
-__device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::PageCursor& pc,
-                                          int pbase, int u0, int nb, int nk, float (&r)[4]) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, tq = lane & 3;
-  const int first = u0 + ((warp - u0) & (kWarps - 1));  // kWarps and nb: powers of two
-  const int end = u0 + nb * nk;
-  // Staged bytes per k group (32 k) of a staged row, and a lane's A fragment in it.
-  constexpr unsigned kGroupBytes = 64u;
-  // A warp's units are kWarps apart: k groups kWarps / nb apart (nb divides kWarps).
-  const unsigned xstep = (unsigned)(kWarps >> (31 - __clz(nb))) * kGroupBytes;
-  const unsigned kg0 = (unsigned)((first - u0) >> (31 - __clz(nb))) * kGroupBytes;  // its k group
-  // Rows past B read a real row (wide: zeros): they only reach discarded rows of D.
-  const int row = kWide ? g : min(g, t.B - 1);
-  const unsigned x = dev::smem_addr(s.xs + row * s.XS) + tq * (kGroupBytes / 4) + kg0;
-  const unsigned xh = x + (unsigned)(kRows * s.XS * 2);  // wide: row g + 8
-  Acc acc, extra;  // two chains
-#pragma unroll
-  for (int e = 0; e < 4; ++e) acc.p[e] = acc.q[e] = extra.p[e] = extra.q[e] = 0.f;
-  unsigned xo = 0;  // byte offset of unit u's k group in the staged rows
-  if (first < end) {
-    // The block's first page may be the one the previous block ended in; after it, a warp's
-    // next unit is always on the next page (a page holds a whole round of units).
-    uint32_t pg = pc.at(pbase + (int)((unsigned)first / kPageUnits)) + lane * 16;
-#pragma unroll 1
-    for (int u = first;;) {
-      const int stop = min(end, (int)((unsigned)u / kPageUnits + 1) * kPageUnits);
-      const bool ahead = pc.next_landed();  // answered while this page's units run
-      if (u + (kWarpUnitsPerPage - 1) * kWarps < stop) {  // the warp's whole round of this page
-        page_units<true, kWide>(pg, u, stop, x + xo, xh + xo, xstep, acc, extra);
-        u += kPageUnits;
-        xo += kWarpUnitsPerPage * xstep;
-      } else {
-        page_units<false, kWide>(pg, u, stop, x + xo, xh + xo, xstep, acc, extra);
-        const int taken = (int)((unsigned)(stop - u + kWarps - 1) / kWarps);
-        u += taken * kWarps;
-        xo += taken * xstep;
-      }
-      if (u >= end) break;
-      pg = pc.step(ahead) + lane * 16;
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    // batch <= 8: output (g, n) = D1[g][n] + D2[g + 8][n]; wide: D1 + D2 for both rows (header)
-    r[j] = kWide ? (acc.p[j] + extra.p[j]) + (acc.q[j] + extra.q[j])
-           : j < 2 ? (acc.p[j] + extra.p[j]) + (acc.q[j + 2] + extra.q[j + 2])
-                   : 0.f;
-  }
-}
-
-__device__ __forceinline__ void walk(const Task& t, const Scratch& s, mpk::PageCursor& pc,
-                                     int pbase, int u0, int nb, int nk, float (&r)[4]) {
-  if (t.wide)
-    mma_block<true>(t, s, pc, pbase, u0, nb, nk, r);
-  else
-    mma_block<false>(t, s, pc, pbase, u0, nb, nk, r);
-}
+namespace mpk::kinds::linear {
+namespace detail {
 
 // A lane's outputs j = 0..3: batch rows g (j < 2) and g + 8, stream rows 2t + (j & 1).
 __device__ __forceinline__ int batch_of(int j, int g) { return (j >> 1) * 8 + g; }
@@ -661,7 +546,7 @@ __device__ __forceinline__ void finish_shared(const Task& t, const Scratch& s, i
 __device__ __forceinline__ Task task_of(const mpk::TaskArgs& a) {
   Task t;
   t.B = a.i(P_BATCH);
-  t.wide = t.B > kRows;
+  t.wide = LINEAR_MAX_BATCH > kRows && t.B > kRows;  // folded away where no op has > 8 rows
   t.K = a.i(P_K);
   t.N = a.i(P_N);
   t.T = a.i(P_TASKS);

@@ -113,6 +113,13 @@ class Linear(TaskKind):
         Param("eps", is_float=True), Param("sampling"),
     )
     attrs = {"prologue": "none", "epilogue": "none", "eps": 1e-6, "xc": 0}
+    # The kernel builds its walk for 9-16 rows (two staged rows an MMA fragment: more registers)
+    # only where an op of the plan has more than 8 (geo.ROWS) rows: in a plan of 8 rows or fewer
+    # its registers crowded ptxas' allocation of the whole kernel (cold spills in attention).
+    cuda_defaults = {"LINEAR_MAX_BATCH": MAX_BATCH}
+
+    def cuda_constants(self, op: OpView) -> dict[str, int]:
+        return {"LINEAR_MAX_BATCH": op.shape("x")[0]}
 
     def default_splits(self, grid, tensors):
         row_dim = len(tensors["weight"].shape) - 2

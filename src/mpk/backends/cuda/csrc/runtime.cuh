@@ -542,7 +542,15 @@ extern "C" __global__ void __launch_bounds__(mpk::RUNTIME_THREADS, 1)
   }
   __syncthreads();
   const int warp = tid0 >> 5;
-  if (warp >= CONSUMER_WARPS) {
+  // The consumers' branch first: with the producers' branch first, ptxas (CUDA 13.0) kept the
+  // consumers' code within the kernel's 168 registers and spilled there, whatever their
+  // setmaxnreg said (seventeenth session: SASS: R165 at most; in this order it uses up to 232).
+  if (warp < CONSUMER_WARPS) {
+    ptx::setmaxnreg_inc<CONSUMER_REGS>();
+    const int total = p.lengths[blockIdx.x] * p.num_steps;
+    consumers(p, sh, ptx::smem_u32(dyn_smem), dyn_smem + NUM_PAGES * PAGE_BYTES, total,
+              MPK_PARAMS_PTR);
+  } else {
     ptx::setmaxnreg_dec<PRODUCER_REGS>();
     const int sm = blockIdx.x, lane = threadIdx.x & 31;
     const int total = p.lengths[sm] * p.num_steps;  // < 2^31: the executor checks
@@ -555,10 +563,5 @@ extern "C" __global__ void __launch_bounds__(mpk::RUNTIME_THREADS, 1)
     } else if (warp == STORER_WARP) {
       if (lane == 0) storer(p, sh, total, sm);
     }
-  } else {
-    ptx::setmaxnreg_inc<CONSUMER_REGS>();
-    const int total = p.lengths[blockIdx.x] * p.num_steps;
-    consumers(p, sh, ptx::smem_u32(dyn_smem), dyn_smem + NUM_PAGES * PAGE_BYTES, total,
-              MPK_PARAMS_PTR);
   }
 }

@@ -88,13 +88,22 @@ struct PageCursor {
     const uint32_t h = after(held);
     return ptx::mbar_test_wait(full + 8u * (h & 0x7fffffffu), h >> 31);
   }
+  // Page cur + 1's address once it has landed (`landed`: next_landed() said so), page cur still
+  // held: a walk loads page cur + 1's fragments before its MMAs on page cur's, then steps.
+  // Two pages held at once is sound for any ring of two pages or more (page cur + 1's slot held
+  // page cur + 1 - NUM_PAGES < cur, released).
+  __device__ __forceinline__ uint32_t peek(bool landed) const {
+    const uint32_t h = after(held);
+    if (!landed) wait_for(h);
+    return ring + (h & 0x7fffffffu) * (uint32_t)PAGE_BYTES;
+  }
   // From page cur (held) to page cur + 1: release, advance, wait unless `landed` (next_landed()
-  // said so). Straight-line: the common step of a walk.
+  // or a peek said so). Straight-line: the common step of a walk.
   __device__ __forceinline__ uint32_t step(bool landed) {
     release_held();
     held = after(held);
     ++cur;
-    if (!landed) wait_held();
+    if (!landed) wait_for(held);
     return ring + slot() * (uint32_t)PAGE_BYTES;
   }
   __device__ __forceinline__ void finish() {
@@ -115,9 +124,11 @@ struct PageCursor {
     held = cur < 0 ? seq % NUM_PAGES | ((seq / NUM_PAGES) & 1u) << 31 : after(held);
     ++cur;
   }
-  // Wait for the held page to land; a page that never lands means a runtime bug: trap.
-  __device__ __forceinline__ void wait_held() const {
-    const uint32_t bar = full + 8u * slot(), parity = held >> 31;
+  __device__ __forceinline__ void wait_held() const { wait_for(held); }
+  // Wait for the page the held word h describes to land; a page that never lands means a
+  // runtime bug: trap.
+  __device__ __forceinline__ void wait_for(uint32_t h) const {
+    const uint32_t bar = full + 8u * (h & 0x7fffffffu), parity = h >> 31;
     if (!ptx::mbar_try_wait(bar, parity)) {
       const unsigned long long t0 = ptx::globaltimer();
       while (!ptx::mbar_try_wait(bar, parity))

@@ -1,0 +1,168 @@
+// linear, sm_90a: the MMA walk over a block's weight pages, part of linear/sm90.cuh (included
+// there, after the task's types; read that file's header first).
+#pragma once
+
+namespace mpk::kinds::linear {
+namespace detail {
+
+// ---- the MMA walk over one block ---------------------------------------------------------------
+struct Acc {
+  float p[4], q[4];  // D of MMA 1 (weight words 0, 1) and MMA 2 (words 2, 3) of each unit
+};
+
+// Units of one page a warp takes (its units are kWarps apart).
+constexpr int kWarpUnitsPerPage = kPageUnits / kWarps;
+static_assert(kPageUnits % kWarps == 0, "a page holds whole rounds of the warps' units");
+
+// One unit: the weight read w is both MMAs' B fragments; a and a2 their A fragments (batch <= 8
+// both are the lane's quad of row g; wide, its reads of rows g and g + 8: header).
+__device__ __forceinline__ void mma_unit(Acc& c, const uint4& w, const uint4& a, const uint4& a2) {
+  dev::mma_bf16_16816(c.p, a.x, a.y, a.z, a.w, w.x, w.y);
+  dev::mma_bf16_16816(c.q, a2.x, a2.y, a2.z, a2.w, w.z, w.w);
+}
+
+// A warp's weight reads of one page (its units' B fragments), loaded a page ahead of their MMAs.
+// The A fragments are read just before the MMAs (the staged input: a broadcast at batch 1).
+struct PageFrags {
+  uint4 w[kWarpUnitsPerPage];
+};
+
+// The n (1..kWarpUnitsPerPage) weight units of this warp on page pg from unit u: units u,
+// u + kWarps, ... kWhole: all of them (n == kWarpUnitsPerPage), with no per-unit predicate.
+template <bool kWhole>
+__device__ __forceinline__ void load_units(PageFrags& f, uint32_t pg, int u, int n) {
+  const uint32_t wu = pg + ((unsigned)u % kPageUnits) * kUnitBytes;  // unit u in the page
+#pragma unroll
+  for (int j = 0; j < kWarpUnitsPerPage; ++j)
+    // Unit u + j * kWarps sits j * kWarps units after unit u on the same page: a constant offset.
+    if (kWhole || j < n) f.w[j] = dev::lds_v4(wu + j * kWarps * kUnitBytes);
+}
+__device__ __forceinline__ void load_page(PageFrags& f, uint32_t pg, int u, int n) {
+  if (n == kWarpUnitsPerPage)
+    load_units<true>(f, pg, u, n);
+  else
+    load_units<false>(f, pg, u, n);
+}
+
+// The MMAs of a loaded page on two accumulator chains, their A fragments read first (x, xh:
+// the lane's fragment address of the page's first unit in row g, g + 8). kWhole: no per-unit
+// predicate (a predicated MMA is a convergence point: each waited for its own A read).
+template <bool kWhole, bool kWide>
+__device__ __forceinline__ void mma_units(const PageFrags& f, int n, unsigned x, unsigned xh,
+                                          unsigned xstep, Acc& acc, Acc& extra) {
+  if (kWide) {  // two fragments a unit: read at their MMAs (ahead, they crowded the registers)
+#pragma unroll
+    for (int j = 0; j < kWarpUnitsPerPage; ++j)
+      if (kWhole || j < n)
+        mma_unit((j & 1) ? extra : acc, f.w[j], dev::lds_v4(x + j * xstep),
+                 dev::lds_v4(xh + j * xstep));
+    return;
+  }
+  uint4 a[kWarpUnitsPerPage];
+#pragma unroll
+  for (int j = 0; j < kWarpUnitsPerPage; ++j)
+    if (kWhole || j < n) a[j] = dev::lds_v4(x + j * xstep);
+#pragma unroll
+  for (int j = 0; j < kWarpUnitsPerPage; ++j)
+    if (kWhole || j < n) mma_unit((j & 1) ? extra : acc, f.w[j], a[j], a[j]);
+}
+template <bool kWide>
+__device__ __forceinline__ void mma_page(const PageFrags& f, int n, unsigned x, unsigned xh,
+                                         unsigned xstep, Acc& acc, Acc& extra) {
+  if (n == kWarpUnitsPerPage)
+    mma_units<true, kWide>(f, n, x, xh, xstep, acc, extra);
+  else
+    mma_units<false, kWide>(f, n, x, xh, xstep, acc, extra);
+}
+
+// Units of this warp on the page of unit u, below end (a page holds a whole round of units).
+__device__ __forceinline__ int units_on_page(int u, int end) {
+  const int stop = min(end, (int)((unsigned)u / kPageUnits + 1) * kPageUnits);
+  return (stop - u + kWarps - 1) / kWarps;
+}
+
+// Where a warp's walk stands: its next unit u, that unit's k-group offset xo in the staged rows,
+// and its n units on u's page (loaded, MMAs pending).
+struct WalkPos {
+  int u;
+  unsigned xo;
+  int n;
+};
+
+// One step of the software-pipelined walk: page `cur` is loaded (pos); wait for the next page,
+// load it into `nxt`, then run cur's MMAs and release cur. The MMAs' latency runs under the next
+// page's loads instead of after them (a page's loads, then its dependent MMAs, then the next
+// page's loads: ~470 cycles a page, the thirteenth session's walk_cycles). False after the
+// block's last page (its MMAs done, the page still held).
+template <bool kWide>
+__device__ __forceinline__ bool walk_step(mpk::PageCursor& pc, PageFrags& cur, PageFrags& nxt,
+                                          WalkPos& pos, int end,
+                                          unsigned x, unsigned xh, unsigned xstep, Acc& acc,
+                                          Acc& extra) {
+  const int u = pos.u + pos.n * kWarps;
+  if (u >= end) {
+    mma_page<kWide>(cur, pos.n, x + pos.xo, xh + pos.xo, xstep, acc, extra);
+    return false;
+  }
+  const uint32_t pg = pc.peek(pc.next_landed()) + (threadIdx.x & 31) * 16;
+  const unsigned xo = pos.xo + pos.n * xstep;
+  const int n = units_on_page(u, end);
+  load_page(nxt, pg, u, n);
+  mma_page<kWide>(cur, pos.n, x + pos.xo, xh + pos.xo, xstep, acc, extra);
+  pc.step(true);  // cur's fragments are in registers, consumed: release it; nxt's page landed
+  pos = WalkPos{u, xo, n};
+  return true;
+}
+
+// Accumulate this warp's units of a block (task-local units [u0, u0 + nb*nk)) into the lane's
+// outputs r[j] (batch_of(j), row_of(j); zero where the layout leaves none). Page by page, a page
+// ahead (walk_step), on two accumulator chains. (One accumulator and a wait, loads and an index
+// division per unit made every unit a ~300-cycle dependent chain: scripts/probe_phases.py.)
+template <bool kWide>
+__device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::PageCursor& pc,
+                                          int pbase, int u0, int nb, int nk, float (&r)[4]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, tq = lane & 3;
+  const int first = u0 + ((warp - u0) & (kWarps - 1));  // kWarps and nb: powers of two
+  const int end = u0 + nb * nk;
+  // Staged bytes per k group (32 k) of a staged row, and a lane's A fragment in it.
+  constexpr unsigned kGroupBytes = 64u;
+  // A warp's units are kWarps apart: k groups kWarps / nb apart (nb divides kWarps).
+  const unsigned xstep = (unsigned)(kWarps >> (31 - __clz(nb))) * kGroupBytes;
+  const unsigned kg0 = (unsigned)((first - u0) >> (31 - __clz(nb))) * kGroupBytes;  // its k group
+  // Rows past B read a real row (wide: zeros): they only reach discarded rows of D.
+  const int row = kWide ? g : min(g, t.B - 1);
+  const unsigned x = dev::smem_addr(s.xs + row * s.XS) + tq * (kGroupBytes / 4) + kg0;
+  const unsigned xh = x + (unsigned)(kRows * s.XS * 2);  // wide: row g + 8
+  Acc acc, extra;  // two chains
+#pragma unroll
+  for (int e = 0; e < 4; ++e) acc.p[e] = acc.q[e] = extra.p[e] = extra.q[e] = 0.f;
+  if (first < end) {
+    // The block's first page may be the one the previous block ended in; after it, a warp's
+    // next unit is always on the next page.
+    const uint32_t pg = pc.at(pbase + (int)((unsigned)first / kPageUnits)) + lane * 16;
+    WalkPos pos{first, 0u, units_on_page(first, end)};
+    PageFrags cur, nxt;
+    load_page(cur, pg, pos.u, pos.n);
+#pragma unroll 1
+    while (walk_step<kWide>(pc, cur, nxt, pos, end, x, xh, xstep, acc, extra)) cur = nxt;
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    // batch <= 8: output (g, n) = D1[g][n] + D2[g + 8][n]; wide: D1 + D2 for both rows (header)
+    r[j] = kWide ? (acc.p[j] + extra.p[j]) + (acc.q[j] + extra.q[j])
+           : j < 2 ? (acc.p[j] + extra.p[j]) + (acc.q[j + 2] + extra.q[j + 2])
+                   : 0.f;
+  }
+}
+
+__device__ __forceinline__ void walk(const Task& t, const Scratch& s, mpk::PageCursor& pc,
+                                     int pbase, int u0, int nb, int nk, float (&r)[4]) {
+  if (t.wide)
+    mma_block<true>(t, s, pc, pbase, u0, nb, nk, r);
+  else
+    mma_block<false>(t, s, pc, pbase, u0, nb, nk, r);
+}
+
+}  // namespace detail
+}  // namespace mpk::kinds::linear
