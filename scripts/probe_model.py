@@ -17,6 +17,7 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
              block, loop end (where its compute goes),
   attn_m_polled  attention's INPUT mark once the flagged qkv is polled (before prepare),
   lin_m_allwalked  a linear's COMPUTE mark once every warp's walk of a shared block is done,
+  lin_e_done, lin_e_finished  a linear's COMPUTE mark once finish_shared (or pc.finish()) is done,
   no_units   the page protocol without the units (timing only),
   no_xread   ablation (wrong outputs, timing only): the linear staging stores zeros where its
              cp.async copies of x would land (no global read of the input),
@@ -57,7 +58,7 @@ PATCHES["pagewait1"] = {
                                  "  if (t.argmax)"))]}
 # The page protocol without the units. Timing only.
 PATCHES["no_units"] = {"linear/sm90_walk.cuh": [
-    (UNIT_W, "    ;\n"), (UNIT_X, "    ;\n"), (UNIT_MMA, "    ;\n"),
+    (UNIT_W, "    ;\n"), (UNIT_X, "      ;\n"), (UNIT_MMA, "      ;\n"),
     ("        mma_unit((j & 1) ? extra : acc, f.w[j], dev::lds_v4(x + j * xstep),\n"
      "                 dev::lds_v4(xh + j * xstep));\n", "        ;\n")]}
 # WAIT := when the loader issued the record's last page copy (the consumers' own WAIT stamp is
@@ -135,6 +136,14 @@ PATCHES["lin_m_allwalked"] = {"linear/sm90.cuh": [(SHARED_WALK, (
     "          walk(t, s, pc, pbase, u0, nb, nk, r);\n"
     '          asm volatile("" ::"f"(r[0]), "f"(r[1]), "f"(r[2]), "f"(r[3]));\n'
     "          mpk::task_sync();\n          a.mark(1);\n          finish_shared("))]}
+# The rest of it (timing; same results): COMPUTE := every thread out of finish_shared (the
+# cross-warp sums reduced and the outputs stored), or out of the task's pc.finish(); the profile's
+# epilogue is then what follows (the page releases and the runtime's barrier; or the barrier).
+FINISH_SHARED = "          finish_shared(t, s, rg0, u0, nb, r, buf, resid, ch);\n"
+PATCHES["lin_e_done"] = {"linear/sm90.cuh": [(FINISH_SHARED, (
+    FINISH_SHARED + "          mpk::task_sync();\n          a.mark(1);\n"))]}
+PATCHES["lin_e_finished"] = {"linear/sm90.cuh": [(FINISH, (
+    "  pc.finish();\n  mpk::task_sync();\n  a.mark(1);\n  if (t.argmax)"))]}
 # Where attention's input goes (timing; same results): INPUT := the flagged qkv polled (before
 # prepare's norms, RoPE and KV append) instead of after prepare.
 QKV_POLLED = "    stage_flagged_qkv(a, c, L);\n    mpk::task_sync();\n"
@@ -255,7 +264,7 @@ PATCHES["moe_down_kv3"] = {"moe_down/sm90.cuh": [("constexpr int kV = 2;", "cons
 PATCHES["moe_inflight2x"] = {
     "moe_gate_up/sm90.cuh": [("constexpr int kV = 4;", "constexpr int kV = 8;")],
     "moe_down/sm90.cuh": [("constexpr int kV = 2;", "constexpr int kV = 4;")]}
-RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "attn_nokv", "attn_l2pf": "attn_l2pf", "attn_m_scores": "attn_m_scores", "attn_m_block": "attn_m_block", "attn_m_loop": "attn_m_loop", "lin_m_allwalked": "lin_m_allwalked", "attn_m_polled": "attn_m_polled", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
+RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "attn_nokv", "attn_l2pf": "attn_l2pf", "attn_m_scores": "attn_m_scores", "attn_m_block": "attn_m_block", "attn_m_loop": "attn_m_loop", "lin_m_allwalked": "lin_m_allwalked", "lin_e_done": "lin_e_done", "lin_e_finished": "lin_e_finished", "attn_m_polled": "attn_m_polled", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
         "sparse_timer": "sparse_timer",
         "no_loader_no_units": "no_loader_no_units",
         "no_loader_bare_units": "no_loader_bare_units",

