@@ -24,6 +24,10 @@
 #                                          qwen3-0.6b at batch 1 and 8, then probe_model.py's
 #                                          attention and linear phase marks (perf-log, sixteenth
 #                                          session: what the next attention and epilogue work needs)
+#   bash scripts/gpu_check.sh marks        mpk bench qwen3-0.6b at batch 1 and 8, then probe_model.py's
+#                                          linear epilogue marks (lin_m_allwalked, lin_e_done,
+#                                          lin_e_finished) and walk_cycles (perf-log, seventeenth
+#                                          session: where a linear's 1.1 us epilogue goes)
 #   bash scripts/gpu_check.sh serve        mpk bench --serving (engine: 16 slots vs one request,
 #                                          outputs equal solo runs) on qwen3-0.6b and qwen3-8b, then
 #                                          scripts/bench_serve.py against `mpk serve --backend cuda`
@@ -142,6 +146,14 @@ case $mode in
     step model_runs 240 $PYTEST --timeout 200 tests/gpu/test_model_gpu.py -k \
       "runs or batched or tiny"
     step bench-qwen3-0.6b-b1 120 python3 -m mpk bench --model qwen3-0.6b --new-tokens 100
+    ;;
+  marks)
+    for batch in 1 8; do
+      step "bench-qwen3-0.6b-b$batch" 120 python3 -m mpk bench --model qwen3-0.6b --batch "$batch" \
+        --new-tokens 100
+    done
+    step probe_marks 240 bash -c "cd scripts && python3 probe_model.py --model qwen3-0.6b \
+      --steps 30 --runs none,lin_m_allwalked,lin_e_done,lin_e_finished,walk_cycles"
     ;;
   attention)
     step kernels_attention 150 $PYTEST tests/gpu/test_kernels_attention.py tests/gpu/test_flags.py \
