@@ -26,8 +26,10 @@
 #                                          session: what the next attention and epilogue work needs)
 #   bash scripts/gpu_check.sh marks        mpk bench qwen3-0.6b at batch 1 and 8, then probe_model.py's
 #                                          linear epilogue marks (lin_m_allwalked, lin_e_done,
-#                                          lin_e_finished) and walk_cycles (perf-log, seventeenth
-#                                          session: where a linear's 1.1 us epilogue goes)
+#                                          lin_e_finished) and walk_cycles with and without the
+#                                          A or weight reads (perf-log, seventeenth session: where
+#                                          a linear's 1.1 us epilogue goes; is the walk bound by
+#                                          shared-memory traffic?)
 #   bash scripts/gpu_check.sh serve        mpk bench --serving (engine: 16 slots vs one request,
 #                                          outputs equal solo runs) on qwen3-0.6b and qwen3-8b, then
 #                                          scripts/bench_serve.py against `mpk serve --backend cuda`
@@ -153,7 +155,8 @@ case $mode in
         --new-tokens 100
     done
     step probe_marks 240 bash -c "cd scripts && python3 probe_model.py --model qwen3-0.6b \
-      --steps 30 --runs none,lin_m_allwalked,lin_e_done,lin_e_finished,walk_cycles"
+      --steps 30 --runs none,lin_m_allwalked,lin_e_done,lin_e_finished,walk_cycles,\
+      no_aload_walk_cycles,no_wload_walk_cycles"
     ;;
   attention)
     step kernels_attention 150 $PYTEST tests/gpu/test_kernels_attention.py tests/gpu/test_flags.py \

@@ -27,6 +27,9 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
   walk_cycles, no_loader_walk_cycles  warp 0's clock64 cycles in the linear walk per task and the
              pages it walked (cycles a page), with and without the loader's copies,
   walk_clock warp 0's walk in clock64 cycles and %globaltimer ns (the SM clock it ran at),
+  no_aload_walk_cycles, no_wload_walk_cycles  walk_cycles with made-up A (input) or weight
+             fragments, no shared-memory reads of them (timing only: is the walk
+             bound by shared-memory traffic?),
   walk_start WAIT := warp 0's entry into the last block's walk (scripts/phase_spread.py --run),
   moe_down_resid_first, moe_down_kv3  moe_down's residual loaded before the output's sum; 3
              vectors per slot row in flight (same results, timing),
@@ -249,6 +252,14 @@ PATCHES["walk_start"] = {"linear/sm90.cuh": [
     (OWN_WALK, OWN_WALK.replace("          walk(", "          " + stamp() + "\n          walk(")),
     (SHARED_WALK, SHARED_WALK.replace("          walk(", "          " + stamp() + "\n          walk("))]}
 PATCHES["no_loader_walk_cycles"] = {**PATCHES["walk_cycles"], **PATCHES["no_loader"]}
+# Is the walk bound by shared-memory traffic (seventeenth session: ~500 cycles a page, unchanged
+# with the loads a page ahead)? walk_cycles with no A reads (made-up fragments), or no weight
+# reads. Timing only (wrong results); batch <= 8 (the narrow walk).
+NO_ALOAD = (UNIT_X, "      if (kWhole || j < n) a[j] = make_uint4(x, xstep, x ^ 3u, j);\n")
+NO_WLOAD = PATCHES["no_wload"]["linear/sm90_walk.cuh"][0]
+for _name, _edit in (("no_aload_walk_cycles", NO_ALOAD), ("no_wload_walk_cycles", NO_WLOAD)):
+    PATCHES[_name] = {**PATCHES["walk_cycles"], "linear/sm90_walk.cuh": [
+        *PATCHES["walk_cycles"]["linear/sm90_walk.cuh"], _edit]}
 # moe_down's residual loaded when an output starts (its L2 round trip under the weight loads)
 # instead of after the output's sum (a dependent round trip per output). Same results.
 DOWN_OUT = ("      const float total = output(r, n, lane);\n      if (lane == 0) {\n"
@@ -271,7 +282,7 @@ RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "
         "nanosleep": "nanosleep", "hint": "hint",
         "relaxed_poll": "relaxed_poll", "no_loader": "no_loader", "pagewait": "pagewait1", "no_mma": "no_mma", "no_wload": "no_wload",
         "no_units": "no_units", "warp_release": "warp_release",
-        "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "moe_down_resid_first": "moe_down_resid_first", "moe_down_kv3": "moe_down_kv3", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "moe_inflight2x": "moe_inflight2x"}
+        "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "moe_down_resid_first": "moe_down_resid_first", "moe_down_kv3": "moe_down_kv3", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "no_aload_walk_cycles": "no_aload_walk_cycles", "no_wload_walk_cycles": "no_wload_walk_cycles", "moe_inflight2x": "moe_inflight2x"}
 
 
 def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batch: int) -> dict:
