@@ -154,9 +154,10 @@ case $mode in
       step "bench-qwen3-0.6b-b$batch" 120 python3 -m mpk bench --model qwen3-0.6b --batch "$batch" \
         --new-tokens 100
     done
+    runs=none,lin_m_allwalked,lin_e_done,lin_e_finished,walk_cycles
+    runs=$runs,no_aload_walk_cycles,no_wload_walk_cycles
     step probe_marks 240 bash -c "cd scripts && python3 probe_model.py --model qwen3-0.6b \
-      --steps 30 --runs none,lin_m_allwalked,lin_e_done,lin_e_finished,walk_cycles,\
-      no_aload_walk_cycles,no_wload_walk_cycles"
+      --steps 30 --runs $runs"
     ;;
   attention)
     step kernels_attention 150 $PYTEST tests/gpu/test_kernels_attention.py tests/gpu/test_flags.py \
