@@ -42,15 +42,20 @@ Per op role: the phase parts, and for pagewait the mean page wait of its linear 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 from probe_phases import FINISH, PATCHES, UNIT_MMA, UNIT_W, UNIT_X, include_dir, probe_build, stamp
 from probe_stream import page_config
 
 from mpk.backends.cuda import codegen
+from mpk.compiler import cache
 from mpk.models.config import get_preset
 from mpk.profile.phases import role_of
 
@@ -285,12 +290,29 @@ RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "
         "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "moe_down_resid_first": "moe_down_resid_first", "moe_down_kv3": "moe_down_kv3", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "no_aload_walk_cycles": "no_aload_walk_cycles", "no_wload_walk_cycles": "no_wload_walk_cycles", "moe_inflight2x": "moe_inflight2x"}
 
 
+@contextmanager
+def own_plan_cache(page_bytes: int) -> Iterator[None]:
+    """Plans compiled under another page size go to a cache of their own: the shared plan
+    cache's key does not see PAGE_BYTES, so a later default run would load a plan whose weight
+    streams are cut in the probe's pages."""
+    if page_bytes == codegen.PAGE_BYTES:
+        yield
+        return
+    original = cache.compile_cached
+    with tempfile.TemporaryDirectory() as root:
+        cache.compile_cached = functools.partial(original, cache_root=Path(root))
+        try:
+            yield
+        finally:
+            cache.compile_cached = original
+
+
 def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batch: int) -> dict:
     from mpk.profile.run import profile_model
 
     patch = RUNS[name]
     with (include_dir(patch) as inc, probe_build(patch), tempfile.TemporaryDirectory() as out,
-          page_config(page_bytes, max_pages)):
+          own_plan_cache(page_bytes), page_config(page_bytes, max_pages)):
         res = profile_model(get_preset(model), steps=steps, batch=batch, out_dir=out, repeats=3,
                             measure_bandwidth=False, extra_includes=(inc,))
     tl = res.timeline
