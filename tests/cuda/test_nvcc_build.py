@@ -147,7 +147,9 @@ def test_header_edit_changes_the_build_key(tmp_path: Path) -> None:
 def test_qwen3_0_6b_megakernel_compiles_clean(cache_root: Path, lone: bool) -> None:
     """The megakernel exactly as `mpk generate --model qwen3-0.6b --backend cuda` builds it, and
     the serving engine's one-row plan beside 16 slots (`mpk bench --serving`'s 384 positions):
-    its linears and KV splits are the 16-row plan's, without attention_merge."""
+    its linears and KV splits are the 16-row plan's, without attention_merge. It also holds the
+    runtime's consumers-first branch order: with the producers' branch first, ptxas keeps the
+    consumers within 168 registers and this plan spills 160 B (seventeenth session)."""
     from mpk.compiler.lower import compile_graph
     from mpk.engine import EngineConfig
     from mpk.models.builder import DecodeShape, build_graph
