@@ -89,11 +89,12 @@ struct WalkPos {
   int n;
 };
 
-// One step of the software-pipelined walk: page `cur` is loaded (pos); wait for the next page,
-// load it into `nxt`, then run cur's MMAs and release cur. The MMAs' latency runs under the next
-// page's loads instead of after them (a page's loads, then its dependent MMAs, then the next
-// page's loads: ~470 cycles a page, the thirteenth session's walk_cycles). False after the
-// block's last page (its MMAs done, the page still held).
+// One step of the walk: page `cur` is loaded (pos); wait for the next page, load its weight
+// units into `nxt`, then run cur's MMAs and release cur: the next page's loads are in flight
+// under this page's MMAs. (Measured: warp 0 still takes ~500 cycles a page at batch 1, as when a
+// page's loads came before its own MMAs only, so the walk is not latency-bound; shared-memory
+// traffic is the suspect: perf-log, seventeenth session.) False after the block's last page (its
+// MMAs done, the page still held).
 template <bool kWide>
 __device__ __forceinline__ bool walk_step(mpk::PageCursor& pc, PageFrags& cur, PageFrags& nxt,
                                           WalkPos& pos, int end,
