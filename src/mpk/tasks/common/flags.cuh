@@ -20,13 +20,14 @@ using flag_word = unsigned long long;
 // they guard cost batch 8's linears ~0.3 us a phase: perf-log, sixteenth session).
 template <bool kFlagged>
 __device__ __forceinline__ uint32_t flag_epoch(const mpk::TaskArgs& a, int slot) {
-  if (!kFlagged) return 0u;
+  if constexpr (kFlagged) {
 #pragma unroll
-  for (int e = 0; e < REC_FLAG_ENTRIES; ++e) {
-    const uint32_t word = static_cast<uint32_t>(a.params[REC_FLAG_PARAMS + e]);
-    if ((word & 0xffu) == static_cast<uint32_t>(slot) + 1u) {
-      const uint32_t writes = (word >> 8) & 0xfffu, index = word >> 20;
-      return ((a.gstep * writes + index) & 0x7fffffffu) + 1u;  // mod 2^31 + 1
+    for (int e = 0; e < REC_FLAG_ENTRIES; ++e) {
+      const uint32_t word = static_cast<uint32_t>(a.params[REC_FLAG_PARAMS + e]);
+      if ((word & 0xffu) == static_cast<uint32_t>(slot) + 1u) {
+        const uint32_t writes = (word >> 8) & 0xfffu, index = word >> 20;
+        return ((a.gstep * writes + index) & 0x7fffffffu) + 1u;  // mod 2^31 + 1
+      }
     }
   }
   return 0u;
