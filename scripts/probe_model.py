@@ -58,9 +58,9 @@ from probe_stream import page_config
 
 from mpk.backends.cuda import codegen
 from mpk.compiler import cache, flags
-from mpk.tasks.registry import TASKS_DIR
 from mpk.models.config import get_preset
 from mpk.profile.phases import role_of
+from mpk.tasks.registry import TASKS_DIR
 
 # Never zero (a zero stamp reads as "did not run").
 PATCHES["pagewait1"] = {

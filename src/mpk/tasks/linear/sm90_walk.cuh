@@ -110,7 +110,7 @@ __device__ __forceinline__ bool walk_step(mpk::PageCursor& pc, PageFrags& cur, P
   const int n = units_on_page(u, end);
   load_page(nxt, pg, u, n);
   mma_page<kWide>(cur, pos.n, x + pos.xo, xh + pos.xo, xstep, acc, extra);
-  pc.step(true);  // cur's fragments are in registers, consumed: release it; nxt's page landed
+  pc.step();  // cur's fragments are in registers, consumed: release it; nxt's page landed
   pos = WalkPos{u, xo, n};
   return true;
 }

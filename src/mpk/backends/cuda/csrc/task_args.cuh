@@ -75,13 +75,13 @@ struct PageCursor {
     while (cur < i) {
       if (cur >= 0) release_held();
       next();
-      wait_held();
+      wait_for(held);
     }
     return ring + slot() * (uint32_t)PAGE_BYTES;
   }
-  // Whether page cur + 1 has landed (cur >= 0), without blocking. A walk asks before working on
-  // page cur and passes the answer to step(), so the check's latency hides under that work
-  // (ncu: the wait on a blocking check's result, and the branches of at(), were half the walk).
+  // Whether page cur + 1 has landed (cur >= 0), without blocking: a walk passes the answer to
+  // peek(), which waits only when it is false (ncu, an older walk: the wait on a blocking check's
+  // result, and the branches of at(), were half the walk).
   // Sound a page ahead: the slot's previous page (cur + 1 - NUM_PAGES <= cur) has landed, so
   // the phase tested is the next page's.
   __device__ __forceinline__ bool next_landed() const {
@@ -97,14 +97,12 @@ struct PageCursor {
     if (!landed) wait_for(h);
     return ring + (h & 0x7fffffffu) * (uint32_t)PAGE_BYTES;
   }
-  // From page cur (held) to page cur + 1: release, advance, wait unless `landed` (next_landed()
-  // or a peek said so). Straight-line: the common step of a walk.
-  __device__ __forceinline__ uint32_t step(bool landed) {
+  // From page cur (held) to page cur + 1, which a peek() saw land: release, advance.
+  // Straight-line: the common step of a walk.
+  __device__ __forceinline__ void step() {
     release_held();
     held = after(held);
     ++cur;
-    if (!landed) wait_for(held);
-    return ring + slot() * (uint32_t)PAGE_BYTES;
   }
   __device__ __forceinline__ void finish() {
     if (count == 0 || cur >= count) return;
@@ -124,7 +122,6 @@ struct PageCursor {
     held = cur < 0 ? seq % NUM_PAGES | ((seq / NUM_PAGES) & 1u) << 31 : after(held);
     ++cur;
   }
-  __device__ __forceinline__ void wait_held() const { wait_for(held); }
   // Wait for the page the held word h describes to land; a page that never lands means a
   // runtime bug: trap.
   __device__ __forceinline__ void wait_for(uint32_t h) const {
