@@ -29,8 +29,7 @@
 #                                          lin_e_finished) and walk_cycles with and without the
 #                                          A or weight reads (perf-log, seventeenth session: where
 #                                          a linear's 1.1 us epilogue goes; is the walk bound by
-#                                          shared-memory traffic?), then at batch 8 16 KB flagged
-#                                          tensors with four polls a thread in flight (flags16k)
+#                                          shared-memory traffic?)
 #   bash scripts/gpu_check.sh serve        mpk bench --serving (engine: 16 slots vs one request,
 #                                          outputs equal solo runs) on qwen3-0.6b and qwen3-8b, then
 #                                          scripts/bench_serve.py against `mpk serve --backend cuda`
@@ -159,8 +158,6 @@ case $mode in
     runs=$runs,no_aload_walk_cycles,no_wload_walk_cycles
     step probe_marks 240 bash -c "cd scripts && python3 probe_model.py --model qwen3-0.6b \
       --steps 30 --runs $runs"
-    step probe_flags_b8 150 bash -c "cd scripts && python3 probe_model.py --model qwen3-0.6b \
-      --batch 8 --steps 30 --runs none,flags16k,flags16k_serial"
     ;;
   attention)
     step kernels_attention 150 $PYTEST tests/gpu/test_kernels_attention.py tests/gpu/test_flags.py \

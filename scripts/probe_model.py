@@ -18,8 +18,6 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
   attn_m_polled  attention's INPUT mark once the flagged qkv is polled (before prepare),
   lin_m_allwalked  a linear's COMPUTE mark once every warp's walk of a shared block is done,
   lin_e_done, lin_e_finished  a linear's COMPUTE mark once finish_shared (or pc.finish()) is done,
-  flags16k, flags16k_serial  16 KB flagged tensors (batch 8's hidden), with four polls a thread
-             in flight, or the poll as it is (same results),
   no_units   the page protocol without the units (timing only),
   no_xread   ablation (wrong outputs, timing only): the linear staging stores zeros where its
              cp.async copies of x would land (no global read of the input),
@@ -57,7 +55,7 @@ from probe_phases import FINISH, PATCHES, UNIT_MMA, UNIT_W, UNIT_X, include_dir,
 from probe_stream import page_config
 
 from mpk.backends.cuda import codegen
-from mpk.compiler import cache, flags
+from mpk.compiler import cache
 from mpk.models.config import get_preset
 from mpk.profile.phases import role_of
 from mpk.tasks.registry import TASKS_DIR
@@ -155,59 +153,6 @@ PATCHES["lin_e_done"] = {"linear/sm90.cuh": [(FINISH_SHARED, (
     FINISH_SHARED + "          mpk::task_sync();\n          a.mark(1);\n"))]}
 PATCHES["lin_e_finished"] = {"linear/sm90.cuh": [(FINISH, (
     "  pc.finish();\n  mpk::task_sync();\n  a.mark(1);\n  if (t.argmax)"))]}
-# Flagged hand-offs at batch 8 (timing; same results). compiler/flags.py flags tensors up to
-# FLAG_MAX_BYTES (8 KB): qwen3-0.6b's hidden at batch 8 (16 KB) stays counted, because a linear
-# polls its input one vector a thread at a time (four L2 round trips in a row at 16 KB: 1.178 ->
-# 1.200 ms, fourteenth session), when more in flight spilled. With the consumers' 232 registers
-# (seventeenth session) a thread can keep four vectors' polls in flight. flags16k: 16 KB flags and
-# that poll; flags16k_serial: 16 KB flags and the poll as it is. Their plans are compiled into a
-# cache of their own (own_plan_cache).
-_LINEAR = (TASKS_DIR / "linear" / "sm90.cuh").read_text()
-POLL_STAGE = _LINEAR[_LINEAR.index("__device__ __forceinline__ void poll_stage("):
-                     _LINEAR.index("// Copy x[b][k0, k0+kc)")]
-POLL_STAGE_BATCHED = """__device__ __forceinline__ void poll_stage(const Task& t, const Scratch& s, int k0, int vpr,
-                                           int vfill) {
-  constexpr int kIn = 4;  // vectors a thread polls at once
-  const int total = staged_rows(t) * vfill;
-  const dev::Poll poll;
-  for (int base = threadIdx.x; base < total; base += kIn * NUM_THREADS) {
-    const dev::flag_word* at[kIn];
-    dev::flag_word w[kIn][4];
-#pragma unroll
-    for (int i = 0; i < kIn; ++i) {
-      const int idx = base + i * NUM_THREADS, r = idx / vfill, c = idx - r * vfill;
-      at[i] = nullptr;
-      if (idx < total && r < t.B && c < vpr) {
-        at[i] = reinterpret_cast<const dev::flag_word*>(t.x) +
-                (unsigned)(r * (t.K >> 1) + ((k0 + c * 8) >> 1));
-        dev::ld_flag2(at[i], w[i][0], w[i][1]);
-        dev::ld_flag2(at[i] + 2, w[i][2], w[i][3]);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kIn; ++i) {
-      const int idx = base + i * NUM_THREADS, r = idx / vfill, c = idx - r * vfill;
-      if (idx >= total) break;
-      uint4 val = make_uint4(0u, 0u, 0u, 0u);
-      if (at[i] != nullptr) {
-        while (!(dev::word_epoch(w[i][0]) == t.x_ep && dev::word_epoch(w[i][1]) == t.x_ep &&
-                 dev::word_epoch(w[i][2]) == t.x_ep && dev::word_epoch(w[i][3]) == t.x_ep) &&
-               poll.again()) {
-          dev::ld_flag2(at[i], w[i][0], w[i][1]);
-          dev::ld_flag2(at[i] + 2, w[i][2], w[i][3]);
-        }
-        val = make_uint4(dev::word_pair(w[i][0]), dev::word_pair(w[i][1]),
-                         dev::word_pair(w[i][2]), dev::word_pair(w[i][3]));
-      }
-      *reinterpret_cast<uint4*>(landing(s, r, c)) = val;
-    }
-  }
-}
-
-"""
-PATCHES["flags16k"] = {"linear/sm90.cuh": [(POLL_STAGE, POLL_STAGE_BATCHED)]}
-PATCHES["flags16k_serial"] = PATCHES["none"]
-FLAG_BYTES = {"flags16k": 16 * 1024, "flags16k_serial": 16 * 1024}
 # Where attention's input goes (timing; same results): INPUT := the flagged qkv polled (before
 # prepare's norms, RoPE and KV append) instead of after prepare.
 QKV_POLLED = "    stage_flagged_qkv(a, c, L);\n    mpk::task_sync();\n"
@@ -336,7 +281,7 @@ PATCHES["moe_down_kv3"] = {"moe_down/sm90.cuh": [("constexpr int kV = 2;", "cons
 PATCHES["moe_inflight2x"] = {
     "moe_gate_up/sm90.cuh": [("constexpr int kV = 4;", "constexpr int kV = 8;")],
     "moe_down/sm90.cuh": [("constexpr int kV = 2;", "constexpr int kV = 4;")]}
-RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "attn_nokv", "attn_l2pf": "attn_l2pf", "attn_m_scores": "attn_m_scores", "attn_m_block": "attn_m_block", "attn_m_loop": "attn_m_loop", "lin_m_allwalked": "lin_m_allwalked", "lin_e_done": "lin_e_done", "lin_e_finished": "lin_e_finished", "flags16k": "flags16k", "flags16k_serial": "flags16k_serial", "attn_m_polled": "attn_m_polled", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
+RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "attn_nokv", "attn_l2pf": "attn_l2pf", "attn_m_scores": "attn_m_scores", "attn_m_block": "attn_m_block", "attn_m_loop": "attn_m_loop", "lin_m_allwalked": "lin_m_allwalked", "lin_e_done": "lin_e_done", "lin_e_finished": "lin_e_finished", "attn_m_polled": "attn_m_polled", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
         "sparse_timer": "sparse_timer",
         "no_loader_no_units": "no_loader_no_units",
         "no_loader_bare_units": "no_loader_bare_units",
@@ -347,21 +292,20 @@ RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "
 
 
 @contextmanager
-def own_plan_cache(page_bytes: int, flag_bytes: int) -> Iterator[None]:
-    """Plans compiled under another page size (or flag limit, set here) go to a cache of their
-    own: the shared plan cache's key sees neither, so a later default run would load a plan whose
-    weight streams are cut in the probe's pages (or whose tensors are flagged otherwise)."""
-    if page_bytes == codegen.PAGE_BYTES and flag_bytes == flags.FLAG_MAX_BYTES:
+def own_plan_cache(page_bytes: int) -> Iterator[None]:
+    """Plans compiled under another page size go to a cache of their own: the shared plan
+    cache's key does not see it, so a later default run would load a plan whose weight streams
+    are cut in the probe's pages."""
+    if page_bytes == codegen.PAGE_BYTES:
         yield
         return
-    original, original_flags = cache.compile_cached, flags.FLAG_MAX_BYTES
+    original = cache.compile_cached
     with tempfile.TemporaryDirectory() as root:
         cache.compile_cached = functools.partial(original, cache_root=Path(root))
-        flags.FLAG_MAX_BYTES = flag_bytes
         try:
             yield
         finally:
-            cache.compile_cached, flags.FLAG_MAX_BYTES = original, original_flags
+            cache.compile_cached = original
 
 
 def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batch: int) -> dict:
@@ -369,7 +313,7 @@ def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batc
 
     patch = RUNS[name]
     with (include_dir(patch) as inc, probe_build(patch), tempfile.TemporaryDirectory() as out,
-          own_plan_cache(page_bytes, FLAG_BYTES.get(name, flags.FLAG_MAX_BYTES)),
+          own_plan_cache(page_bytes),
           page_config(page_bytes, max_pages)):
         res = profile_model(get_preset(model), steps=steps, batch=batch, out_dir=out, repeats=3,
                             measure_bandwidth=False, extra_includes=(inc,))

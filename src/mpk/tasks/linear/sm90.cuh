@@ -497,12 +497,14 @@ __device__ __forceinline__ void finish_shared(const Task& t, const Scratch& s, i
   float* mine = s.part + (buf * kWarps + warp) * kRows * kMaxB;
 #pragma unroll
   for (int j = 0; j < 4; ++j) mine[row_of(j, tq) * kMaxB + batch_of(j, g)] = part[j];
-  mpk::task_sync();
-  if (tid >= shared_pairs(t, nb)) return;
+  // This thread's pair, worked out before the barrier: its division by B (and the old division
+  // by the rows of a row group) sat between the barrier and the sums (ncu, eighteenth session).
   int row, b;
   shared_pair(t, tid, row, b);
-  const int rows_per_rg = t.silu ? 4 : kRows;
-  const int rgl = row / rows_per_rg, r = row % rows_per_rg, rg = rg0 + rgl;
+  const int rg_shift = t.silu ? 2 : 3;  // a row group's rows: 4 (silu: gate rows) or kRows
+  const int rgl = row >> rg_shift, r = row & ((1 << rg_shift) - 1), rg = rg0 + rgl;
+  mpk::task_sync();
+  if (tid >= shared_pairs(t, nb)) return;
   float v[2], up[2] = {0.f, 0.f};
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
