@@ -25,11 +25,10 @@
 #                                          attention and linear phase marks (perf-log, sixteenth
 #                                          session: what the next attention and epilogue work needs)
 #   bash scripts/gpu_check.sh marks        mpk bench qwen3-0.6b at batch 1 and 8, then probe_model.py's
-#                                          linear epilogue marks (lin_m_allwalked, lin_e_done,
-#                                          lin_e_finished) and walk_cycles with and without the
-#                                          A or weight reads (perf-log, seventeenth session: where
-#                                          a linear's 1.1 us epilogue goes; is the walk bound by
-#                                          shared-memory traffic?)
+#                                          linear epilogue marks: lin_e_done (finish_shared's
+#                                          share) and epi_cycles (thread 0's clock64 in it: the
+#                                          barrier, the sums, the stores, pc.finish(); perf-log,
+#                                          eighteenth session: where finish_shared's 0.9 us goes)
 #   bash scripts/gpu_check.sh serve        mpk bench --serving (engine: 16 slots vs one request,
 #                                          outputs equal solo runs) on qwen3-0.6b and qwen3-8b, then
 #                                          scripts/bench_serve.py against `mpk serve --backend cuda`
@@ -154,8 +153,7 @@ case $mode in
       step "bench-qwen3-0.6b-b$batch" 120 python3 -m mpk bench --model qwen3-0.6b --batch "$batch" \
         --new-tokens 100
     done
-    runs=none,lin_m_allwalked,lin_e_done,lin_e_finished,walk_cycles
-    runs=$runs,no_aload_walk_cycles,no_wload_walk_cycles
+    runs=none,lin_e_done,epi_cycles
     step probe_marks 240 bash -c "cd scripts && python3 probe_model.py --model qwen3-0.6b \
       --steps 30 --runs $runs"
     ;;

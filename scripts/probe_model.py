@@ -30,6 +30,8 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
   no_aload_walk_cycles, no_wload_walk_cycles  walk_cycles with made-up A (input) or weight
              fragments, no shared-memory reads of them (timing only: is the walk
              bound by shared-memory traffic?),
+  epi_cycles thread 0's clock64 cycles in a linear's last finish_shared: the partials' stores and
+             barrier, the cross-warp sums, the stores, then pc.finish() (timing only),
   walk_start WAIT := warp 0's entry into the last block's walk (scripts/phase_spread.py --run),
   moe_down_resid_first, moe_down_kv3  moe_down's residual loaded before the output's sum; 3
              vectors per slot row in flight (same results, timing),
@@ -258,6 +260,31 @@ PATCHES["walk_start"] = {"linear/sm90.cuh": [
     (OWN_WALK, OWN_WALK.replace("          walk(", "          " + stamp() + "\n          walk(")),
     (SHARED_WALK, SHARED_WALK.replace("          walk(", "          " + stamp() + "\n          walk("))]}
 PATCHES["no_loader_walk_cycles"] = {**PATCHES["walk_cycles"], **PATCHES["no_loader"]}
+# Where finish_shared's ~0.9 us goes (eighteenth session: lin_e_done), on thread 0's clock in
+# the task's last shared block: WAIT := four 16-bit cycle counts (saturated): bits 0-15 the
+# partial sums' stores and the barrier, 16-31 the cross-warp sums, 32-47 the rest of
+# finish_shared (residual, stores), 48-63 pc.finish(). Timing only (same results); a task whose
+# last block is a finish_own block, or that has no block, keeps the stamp 0 and is left out.
+EPI_SHARED = "__shared__ unsigned long long mpk_probe_epi;\n__shared__ unsigned mpk_probe_c;\n"
+EPI_MARK = ("if (threadIdx.x == 0) {{ const unsigned c = (unsigned)clock(); "
+            "mpk_probe_epi |= (unsigned long long)min(c - mpk_probe_c, 65535u) << {shift}; "
+            "mpk_probe_c = c; }}")
+FS_SYNC = ("  const int rgl = row >> rg_shift, r = row & ((1 << rg_shift) - 1), rg = rg0 + rgl;\n"
+           "  mpk::task_sync();\n")
+FS_SUMS = "    if (t.silu) up[e] = reduce_part(s, buf, u0, nb, rgl, r + 4 + e, b);\n  }\n"
+FS_CALL = "          finish_shared(t, s, rg0, u0, nb, r, buf, resid, ch);\n"
+PATCHES["epi_cycles"] = {
+    "task_args.cuh": [("namespace mpk {\n", "namespace mpk {\n" + EPI_SHARED)],
+    "linear/sm90.cuh": [
+        ("  float* mine = s.part + (buf * kWarps + warp) * kRows * kMaxB;\n",
+         "  if (tid == 0) { mpk_probe_epi = 0ull; mpk_probe_c = (unsigned)clock(); }\n"
+         "  float* mine = s.part + (buf * kWarps + warp) * kRows * kMaxB;\n"),
+        (FS_SYNC, FS_SYNC + "  " + EPI_MARK.format(shift=0) + "\n"),
+        (FS_SUMS, FS_SUMS + '  asm volatile("" ::"f"(v[0]), "f"(v[1]), "f"(up[0]), "f"(up[1]));\n'
+         "  " + EPI_MARK.format(shift=16) + "\n"),
+        (FS_CALL, FS_CALL + "          " + EPI_MARK.format(shift=32) + "\n"),
+        (FINISH, "  if (threadIdx.x == 0) mpk_probe_epi = 0ull;\n  pc.finish();\n  "
+         + EPI_MARK.format(shift=48) + "\n  " + stamp("mpk_probe_epi") + "\n  if (t.argmax)")]}
 # Is the walk bound by shared-memory traffic (seventeenth session: ~500 cycles a page, unchanged
 # with the loads a page ahead)? walk_cycles with no A reads (made-up fragments), or no weight
 # reads. Timing only (wrong results); batch <= 8 (the narrow walk).
@@ -288,7 +315,7 @@ RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "
         "nanosleep": "nanosleep", "hint": "hint",
         "relaxed_poll": "relaxed_poll", "no_loader": "no_loader", "pagewait": "pagewait1", "no_mma": "no_mma", "no_wload": "no_wload",
         "no_units": "no_units", "warp_release": "warp_release",
-        "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "moe_down_resid_first": "moe_down_resid_first", "moe_down_kv3": "moe_down_kv3", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "no_aload_walk_cycles": "no_aload_walk_cycles", "no_wload_walk_cycles": "no_wload_walk_cycles", "moe_inflight2x": "moe_inflight2x"}
+        "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "moe_down_resid_first": "moe_down_resid_first", "moe_down_kv3": "moe_down_kv3", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "no_aload_walk_cycles": "no_aload_walk_cycles", "no_wload_walk_cycles": "no_wload_walk_cycles", "epi_cycles": "epi_cycles", "moe_inflight2x": "moe_inflight2x"}
 
 
 @contextmanager
@@ -349,6 +376,16 @@ def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batc
             str(r): {"cycles": round(float(cyc[m].mean()), 1), "pages": round(float(pages[m].mean()), 2),
                      "cycles_per_page": round(float(cyc[m].sum() / max(pages[m].sum(), 1)), 1)}
             for r in sorted(set(roles[lin])) for m in [lin & (roles == r)]}
+    if name == "epi_cycles":
+        raw = (tl.start_ns + tl.origin_ns).astype(np.uint64)
+        parts = np.stack([((raw >> np.uint64(16 * i)) & np.uint64(0xFFFF)).astype(np.float64)
+                          for i in range(4)], axis=1)
+        roles = np.asarray([role_of(o.name) for o in tl.plan.ops], dtype=object)[tl.op]
+        lin = (tl.kind_names() == "linear") & (parts[:, :3].sum(axis=1) > 0)
+        row["epi_cycles"] = {
+            str(r): dict(zip(("barrier", "sums", "stores", "finish"),
+                             (round(float(x), 1) for x in parts[m].mean(axis=0))))
+            for r in sorted(set(roles[lin])) for m in [lin & (roles == r)]}
     if name == "pagewait":
         waited = (tl.start_ns + tl.origin_ns - 1).astype(np.float64) / 1e3
         roles = np.asarray([role_of(o.name) for o in tl.plan.ops], dtype=object)[tl.op]
@@ -390,6 +427,8 @@ def main() -> int:
                   + json.dumps(row["loader_lead_us"]))
         if "walk_clock" in row:
             print("  warp 0's walk, cycles / ns: " + json.dumps(row["walk_clock"]))
+        if "epi_cycles" in row:
+            print("  thread 0's last finish_shared (clock64): " + json.dumps(row["epi_cycles"]))
         if "walk_cycles" in row:
             print("  warp 0's walk (clock64): " + json.dumps(row["walk_cycles"]))
         if "page_wait_us" in row:
