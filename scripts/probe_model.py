@@ -60,7 +60,6 @@ from mpk.backends.cuda import codegen
 from mpk.compiler import cache
 from mpk.models.config import get_preset
 from mpk.profile.phases import role_of
-from mpk.tasks.registry import TASKS_DIR
 
 # Never zero (a zero stamp reads as "did not run").
 PATCHES["pagewait1"] = {
@@ -273,6 +272,8 @@ FS_SYNC = ("  const int rgl = row >> rg_shift, r = row & ((1 << rg_shift) - 1), 
            "  mpk::task_sync();\n")
 FS_SUMS = "    if (t.silu) up[e] = reduce_part(s, buf, u0, nb, rgl, r + 4 + e, b);\n  }\n"
 FS_CALL = "          finish_shared(t, s, rg0, u0, nb, r, buf, resid, ch);\n"
+LINEAR_TASK = "  const Task t = task_of(a);\n"  # run()'s first line: a task without a shared block
+                                                # leaves its stamp's first 48 bits 0
 PATCHES["epi_cycles"] = {
     "task_args.cuh": [("namespace mpk {\n", "namespace mpk {\n" + EPI_SHARED)],
     "linear/sm90.cuh": [
@@ -283,8 +284,9 @@ PATCHES["epi_cycles"] = {
         (FS_SUMS, FS_SUMS + '  asm volatile("" ::"f"(v[0]), "f"(v[1]), "f"(up[0]), "f"(up[1]));\n'
          "  " + EPI_MARK.format(shift=16) + "\n"),
         (FS_CALL, FS_CALL + "          " + EPI_MARK.format(shift=32) + "\n"),
-        (FINISH, "  if (threadIdx.x == 0) mpk_probe_epi = 0ull;\n  pc.finish();\n  "
-         + EPI_MARK.format(shift=48) + "\n  " + stamp("mpk_probe_epi") + "\n  if (t.argmax)")]}
+        (LINEAR_TASK, LINEAR_TASK + "  if (threadIdx.x == 0) mpk_probe_epi = 0ull;\n"),
+        (FINISH, "  pc.finish();\n  " + EPI_MARK.format(shift=48) + "\n  "
+         + stamp("mpk_probe_epi") + "\n  if (t.argmax)")]}
 # Is the walk bound by shared-memory traffic (seventeenth session: ~500 cycles a page, unchanged
 # with the loads a page ahead)? walk_cycles with no A reads (made-up fragments), or no weight
 # reads. Timing only (wrong results); batch <= 8 (the narrow walk).
@@ -335,6 +337,12 @@ def own_plan_cache(page_bytes: int) -> Iterator[None]:
             cache.compile_cached = original
 
 
+def linear_roles(tl) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[no-untyped-def]
+    """Each task's op role, and which tasks are linear ones."""
+    roles = np.asarray([role_of(o.name) for o in tl.plan.ops], dtype=object)[tl.op]
+    return roles, tl.kind_names() == "linear"
+
+
 def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batch: int) -> dict:
     from mpk.profile.run import profile_model
 
@@ -351,8 +359,7 @@ def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batc
                       for r in res.phases}}
     if name == "loader_lead":
         lead = (tl.ready_ns - tl.start_ns).astype(np.float64) / 1e3
-        roles = np.asarray([role_of(o.name) for o in tl.plan.ops], dtype=object)[tl.op]
-        lin = tl.kind_names() == "linear"
+        roles, lin = linear_roles(tl)
         row["loader_lead_us"] = {
             str(r): [round(float(np.percentile(lead[lin & (roles == r)], q)), 2)
                      for q in (10, 50, 90)] for r in sorted(set(roles[lin]))}
@@ -360,8 +367,7 @@ def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batc
         raw = (tl.start_ns + tl.origin_ns).astype(np.uint64)
         cyc = (raw & np.uint64(0xFFFFFFFF)).astype(np.float64)
         ns = (raw >> np.uint64(32)).astype(np.float64)
-        roles = np.asarray([role_of(o.name) for o in tl.plan.ops], dtype=object)[tl.op]
-        lin = tl.kind_names() == "linear"
+        roles, lin = linear_roles(tl)
         row["walk_clock"] = {
             str(r): {"cycles": round(float(cyc[m].mean()), 1), "ns": round(float(ns[m].mean()), 1),
                      "mhz": round(float(cyc[m].sum() / max(ns[m].sum(), 1)) * 1e3, 1)}
@@ -370,8 +376,7 @@ def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batc
         raw = (tl.start_ns + tl.origin_ns).astype(np.uint64)
         cyc = (raw & np.uint64(0xFFFFFFFF)).astype(np.float64)
         pages = (raw >> np.uint64(48)).astype(np.float64) - 1
-        roles = np.asarray([role_of(o.name) for o in tl.plan.ops], dtype=object)[tl.op]
-        lin = tl.kind_names() == "linear"
+        roles, lin = linear_roles(tl)
         row["walk_cycles"] = {
             str(r): {"cycles": round(float(cyc[m].mean()), 1), "pages": round(float(pages[m].mean()), 2),
                      "cycles_per_page": round(float(cyc[m].sum() / max(pages[m].sum(), 1)), 1)}
@@ -380,16 +385,15 @@ def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batc
         raw = (tl.start_ns + tl.origin_ns).astype(np.uint64)
         parts = np.stack([((raw >> np.uint64(16 * i)) & np.uint64(0xFFFF)).astype(np.float64)
                           for i in range(4)], axis=1)
-        roles = np.asarray([role_of(o.name) for o in tl.plan.ops], dtype=object)[tl.op]
-        lin = (tl.kind_names() == "linear") & (parts[:, :3].sum(axis=1) > 0)
+        roles, lin = linear_roles(tl)
+        lin &= parts[:, :3].sum(axis=1) > 0
         row["epi_cycles"] = {
             str(r): dict(zip(("barrier", "sums", "stores", "finish"),
                              (round(float(x), 1) for x in parts[m].mean(axis=0))))
             for r in sorted(set(roles[lin])) for m in [lin & (roles == r)]}
     if name == "pagewait":
         waited = (tl.start_ns + tl.origin_ns - 1).astype(np.float64) / 1e3
-        roles = np.asarray([role_of(o.name) for o in tl.plan.ops], dtype=object)[tl.op]
-        lin = tl.kind_names() == "linear"
+        roles, lin = linear_roles(tl)
         row["page_wait_us"] = {str(r): round(float(waited[lin & (roles == r)].mean()), 3)
                                for r in sorted(set(roles[lin]))}
     return row
