@@ -33,8 +33,8 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
   epi_cycles thread 0's clock64 cycles in a linear's last finish_shared: the partials' stores and
              barrier, the cross-warp sums, the stores, then pc.finish() (timing only),
   walk_start WAIT := warp 0's entry into the last block's walk (scripts/phase_spread.py --run),
-  moe_down_resid_first, moe_down_kv3  moe_down's residual loaded before the output's sum; 3
-             vectors per slot row in flight (same results, timing),
+  moe_down_resid_first  moe_down's residual loaded before the output's sum (same results,
+             timing),
 Per op role: the phase parts, and for pagewait the mean page wait of its linear tasks.
 
   python scripts/probe_model.py --model qwen3-0.6b [--runs none,pagewait] [--json]   # on the GPU
@@ -277,9 +277,9 @@ LINEAR_TASK = "  const Task t = task_of(a);\n"  # run()'s first line: a task wit
 PATCHES["epi_cycles"] = {
     "task_args.cuh": [("namespace mpk {\n", "namespace mpk {\n" + EPI_SHARED)],
     "linear/sm90.cuh": [
-        ("  float* mine = s.part + (buf * kWarps + warp) * kRows * kMaxB;\n",
+        ("  float* mine = s.part + (buf * kWarps + warp) * kPartWarp;\n",
          "  if (tid == 0) { mpk_probe_epi = 0ull; mpk_probe_c = (unsigned)clock(); }\n"
-         "  float* mine = s.part + (buf * kWarps + warp) * kRows * kMaxB;\n"),
+         "  float* mine = s.part + (buf * kWarps + warp) * kPartWarp;\n"),
         (FS_SYNC, FS_SYNC + "  " + EPI_MARK.format(shift=0) + "\n"),
         (FS_SUMS, FS_SUMS + '  asm volatile("" ::"f"(v[0]), "f"(v[1]), "f"(up[0]), "f"(up[1]));\n'
          "  " + EPI_MARK.format(shift=16) + "\n"),
@@ -304,12 +304,9 @@ PATCHES["moe_down_resid_first"] = {"moe_down/sm90.cuh": [(DOWN_OUT, (
     "      const long long off = (long long)b * H + n;\n"
     "      const float resid = lane == 0 ? dev::ld_act_bf16f(res + off) : 0.f;\n"
     "      const float total = output(r, n, lane);\n      if (lane == 0) {\n"))]}
-# moe_down with 3 vectors per slot row in flight (qwen3-30b-a3b's I = 768 is 96 vectors: one
-# round per group of slots instead of two, the second half empty). Same results.
-PATCHES["moe_down_kv3"] = {"moe_down/sm90.cuh": [("constexpr int kV = 2;", "constexpr int kV = 3;")]}
 PATCHES["moe_inflight2x"] = {
     "moe_gate_up/sm90.cuh": [("constexpr int kV = 4;", "constexpr int kV = 8;")],
-    "moe_down/sm90.cuh": [("constexpr int kV = 2;", "constexpr int kV = 4;")]}
+    "moe_down/sm90.cuh": [("constexpr int kV = 3;", "constexpr int kV = 6;")]}
 RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "attn_nokv", "attn_l2pf": "attn_l2pf", "attn_m_scores": "attn_m_scores", "attn_m_block": "attn_m_block", "attn_m_loop": "attn_m_loop", "lin_m_allwalked": "lin_m_allwalked", "lin_e_done": "lin_e_done", "lin_e_finished": "lin_e_finished", "attn_m_polled": "attn_m_polled", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
         "sparse_timer": "sparse_timer",
         "no_loader_no_units": "no_loader_no_units",
@@ -317,7 +314,7 @@ RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "
         "nanosleep": "nanosleep", "hint": "hint",
         "relaxed_poll": "relaxed_poll", "no_loader": "no_loader", "pagewait": "pagewait1", "no_mma": "no_mma", "no_wload": "no_wload",
         "no_units": "no_units", "warp_release": "warp_release",
-        "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "moe_down_resid_first": "moe_down_resid_first", "moe_down_kv3": "moe_down_kv3", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "no_aload_walk_cycles": "no_aload_walk_cycles", "no_wload_walk_cycles": "no_wload_walk_cycles", "epi_cycles": "epi_cycles", "moe_inflight2x": "moe_inflight2x"}
+        "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "moe_down_resid_first": "moe_down_resid_first", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "no_aload_walk_cycles": "no_aload_walk_cycles", "no_wload_walk_cycles": "no_wload_walk_cycles", "epi_cycles": "epi_cycles", "moe_inflight2x": "moe_inflight2x"}
 
 
 @contextmanager

@@ -72,6 +72,16 @@ constexpr int kUnitBytes = 512;
 constexpr int kPageUnits = PAGE_BYTES / kUnitBytes;
 constexpr int kXPad = 32;  // bf16 elements of padding per staged row (task.py X_PAD)
 constexpr int kMaxB = 16;
+// The warps' partial sums of a shared block: float (warp w, row g, batch b) at w * kPartWarp +
+// g * kPartRow + b (task.py PART_BYTES). Padded so that neither finish_shared's stores nor its
+// sums meet bank conflicts of more than 2 ways at any batch: unpadded (16, 128), at batch 1 every
+// thread's sum loads hit bank 0 (16 ways), and the stores 4 ways (perf-log, nineteenth session;
+// the smallest padding with 2 ways at most, searched over strides).
+constexpr int kPartRow = 18;
+constexpr int kPartWarp = 144;
+static_assert(kPartRow >= kMaxB && kPartWarp >= kRows * kPartRow, "partials must not overlap");
+static_assert(kWarps * kMaxB * 4 + 3 * kMaxB * 8 + kMaxB * 4 <= 1024,
+              "red, best and sampling fit task.py's 1 KB");
 
 struct Task {
   int B, K, N, T, xc, nch, align, rgs, n0, n1;
@@ -90,7 +100,7 @@ struct Task {
   uint32_t x_ep, res_ep, out_ep;  // epochs of the flagged operands (common/flags.cuh; 0: plain)
 };
 
-// Shared scratch: [xs: B (wide: 16) rows of XS bf16][part: 2 x kWarps x 8 x 16 f32]
+// Shared scratch: [xs: B (wide: 16) rows of XS bf16][part: 2 x kWarps x kPartWarp f32]
 // [red: 16 x kWarps f32]
 // [best: 16 u64][sampling: 16 x (seed u64, position i64, temperature f32)]
 // [nw: K bf16 when chunked with rmsnorm][acc: rgs x 8 x B f32]
@@ -121,7 +131,7 @@ __device__ __forceinline__ Scratch carve(const Task& t, char* smem) {
   s.xs = reinterpret_cast<bf16*>(p);
   p += ((staged_rows(t) * s.XS * 2 + 15) / 16) * 16;
   s.part = reinterpret_cast<float*>(p);
-  p += 2 * kWarps * kRows * kMaxB * 4;
+  p += 2 * kWarps * kPartWarp * 4;
   s.red = reinterpret_cast<float*>(p);
   p += kWarps * kMaxB * 4;
   s.best = reinterpret_cast<unsigned long long*>(p);
@@ -475,13 +485,13 @@ __device__ __forceinline__ void prefetch_shared(const Task& t, int rg0, int nb,
 // Unrolled: the loads issue together (a loop paid a shared-memory round trip per warp).
 __device__ __forceinline__ float reduce_part(const Scratch& s, int buf, int u0, int nb, int rgl,
                                              int g, int b) {
-  const float* part = s.part + (buf * kWarps * kRows + g) * kMaxB + b;
+  const float* part = s.part + buf * kWarps * kPartWarp + g * kPartRow + b;
   const int first = (u0 + rgl) & (nb - 1);
   float v[kWarps];
 #pragma unroll
   for (int j = 0; j < kWarps; ++j) {
     const int w = first + j * nb;
-    v[j] = w < kWarps ? part[w * kRows * kMaxB] : 0.f;
+    v[j] = w < kWarps ? part[w * kPartWarp] : 0.f;
   }
   float sum = 0.f;
 #pragma unroll
@@ -494,9 +504,9 @@ __device__ __forceinline__ void finish_shared(const Task& t, const Scratch& s, i
                                               int nb, const float (&part)[4], int buf,
                                               const unsigned (&resid)[2], int ch) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
-  float* mine = s.part + (buf * kWarps + warp) * kRows * kMaxB;
+  float* mine = s.part + (buf * kWarps + warp) * kPartWarp;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) mine[row_of(j, tq) * kMaxB + batch_of(j, g)] = part[j];
+  for (int j = 0; j < 4; ++j) mine[row_of(j, tq) * kPartRow + batch_of(j, g)] = part[j];
   // This thread's pair, worked out before the barrier: its division by B (and the old division
   // by the rows of a row group) sat between the barrier and the sums (ncu, eighteenth session).
   int row, b;

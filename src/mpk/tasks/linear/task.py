@@ -47,7 +47,9 @@ EPILOGUES = ("none", "silu_mul", "argmax")
 X_BUDGET_NARROW = 72 * 1024
 X_BUDGET_WIDE = 104 * 1024
 X_PAD = 32  # bf16 elements of padding per staged row (bank spread, see sm90.cuh)
-PART_BYTES = 2 * geo.WARPS * geo.ROWS * 16 * 4  # cross-warp partial sums, two buffers
+# cross-warp partial sums, two buffers of WARPS x 144 floats (sm90.cuh kPartWarp: 8 rows of
+# 18, padded against bank conflicts)
+PART_BYTES = 2 * geo.WARPS * 144 * 4
 MAX_BATCH = 16
 MAX_NORM_K = PAGE_BYTES // 2
 
@@ -274,7 +276,7 @@ class Linear(TaskKind):
         if len(geo.chunks(s)) > 1:  # fp32 sums across chunks, and the norm weight kept
             rgs = max(geo.task_row_groups(s, t) for t in range(s.tasks))
             extra = rgs * geo.ROWS * batch * 4 + (2 * s.k if s.rms else 0)
-        return x_bytes + PART_BYTES + extra + 2048
+        return x_bytes + PART_BYTES + extra + 1024  # + red, best, sampling (sm90.cuh carve)
 
     def reference(self, tile: Tile) -> None:
         project(tile, linear_input(tile))

@@ -32,8 +32,8 @@ namespace detail {
 
 using bf16 = __nv_bfloat16;
 constexpr int kWarps = NUM_THREADS / 32;
-constexpr int kJ = 4;          // slots per group
-constexpr int kV = 2;          // vectors per slot row in flight per lane
+constexpr int kJ = 8;          // slots per group
+constexpr int kV = 3;          // vectors per slot row in flight per lane
 constexpr int kAlign = 8;      // task.py ALIGN
 constexpr int kHeader = 2048;  // task.py HEADER_BYTES
 

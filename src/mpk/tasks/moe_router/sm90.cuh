@@ -2,14 +2,18 @@
 // (semantics and rounding points in task.py; steps 3-6 below are its docstring's).
 //
 // Layouts (default splits, grid (B,)): logits, expert_ids, expert_weights are cut by rows, so
-// their operand pointers point at this task's row. Shared scratch (task.py scratch_bytes):
-// [prob: E f32].
+// their operand pointers point at this task's row. No shared scratch.
 //
 // Warp 0 alone (the other warps leave at once; the runtime's barrier after the task pairs with
-// theirs): the E bf16 logits (an activation: L2-coherent loads) into prob, then max, exp, sum,
-// probabilities as torch's CPU softmax (p = e * (1 / sum)), then K rounds of a warp argmax over
-// (probability, lower id first) keys; lane j keeps slot j. The renormalising sum adds the slots
-// in order, as route() does.
+// theirs). Lane l keeps the probabilities of experts e = l + 32 i in registers (kPer slots, a
+// compile-time count, so no array is indexed at run time): all its logits are loaded before any
+// is used (an activation: L2-coherent loads; a loop of load-then-store paid one L2 round trip
+// per 32 experts: ~3.7 us a row on qwen3-30b-a3b, perf-log nineteenth session). Then max, exp,
+// sum (each lane's experts in order, then the warp's butterfly), probabilities as torch's CPU
+// softmax (p = e * (1 / sum)), then K rounds of a warp argmax over (probability, lower id
+// first) keys: each lane offers its best key, the winner's lane drops that expert and finds
+// its next best. Lane j keeps slot j. The renormalising sum adds the slots in order, as
+// route() does.
 #pragma once
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -24,6 +28,8 @@ namespace detail {
 
 using bf16 = __nv_bfloat16;
 
+constexpr int kPer = ROUTER_EXPERTS_PER_LANE;  // task.py cuda_constants: ceil(E / 32)
+
 __device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long v) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
@@ -33,42 +39,59 @@ __device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long v)
   return v;
 }
 
-// Steps 3-6 on warp 0 (prob: the E logits, overwritten); lane j < K stores slot j.
-__device__ __forceinline__ void route(float* prob, int E, int K, bool renorm, int lane,
+// This lane's best (probability, lower id first) key; 0 when it holds no expert left.
+__device__ __forceinline__ unsigned long long lane_best(const float (&prob)[kPer], int E,
+                                                        int lane) {
+  unsigned long long best = 0ull;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = lane + 32 * i;
+    const unsigned long long key = e < E ? dev::argmax_key(prob[i], e) : 0ull;
+    best = key > best ? key : best;
+  }
+  return best;
+}
+
+// Steps 3-6 on warp 0 (prob: this lane's logits, overwritten); lane j < K stores slot j.
+__device__ __forceinline__ void route(float (&prob)[kPer], int E, int K, bool renorm, int lane,
                                       int* ids_out, bf16* weights_out) {
   // 3. softmax over all E experts in fp32
   float m = -INFINITY;
-  for (int e = lane; e < E; e += 32) m = fmaxf(m, prob[e]);
+#pragma unroll
+  for (int i = 0; i < kPer; ++i)
+    if (lane + 32 * i < E) m = fmaxf(m, prob[i]);
   m = dev::warp_max(m);
   float sum = 0.f;
-  for (int e = lane; e < E; e += 32) {
-    const float ex = expf(__fsub_rn(prob[e], m));
-    prob[e] = ex;
-    sum += ex;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    if (lane + 32 * i < E) {
+      prob[i] = expf(__fsub_rn(prob[i], m));
+      sum += prob[i];
+    }
   }
   const float rsum = __fdiv_rn(1.f, dev::warp_sum(sum));
-  for (int e = lane; e < E; e += 32) prob[e] = __fmul_rn(prob[e], rsum);
-  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) prob[i] = __fmul_rn(prob[i], rsum);
 
-  // 4. top-k: K rounds of a warp argmax; a chosen expert's probability becomes -1 (below every
-  // probability), so the next round skips it.
+  // 4. top-k: K rounds of a warp argmax; the chosen expert's probability becomes -1 (below
+  // every probability) on its lane, which then offers its next best key.
   float mine = 0.f;
   int mine_id = 0;
+  unsigned long long offer = lane_best(prob, E, lane);
 #pragma unroll 1
   for (int j = 0; j < K; ++j) {
-    unsigned long long best = 0ull;
-    for (int e = lane; e < E; e += 32) {
-      const unsigned long long key = dev::argmax_key(prob[e], e);
-      best = key > best ? key : best;
-    }
-    best = warp_max_u64(best);
+    const unsigned long long best = warp_max_u64(offer);
+    const int id = dev::key_index(best);
     if (lane == j) {
       mine = dev::key_value(best);
-      mine_id = dev::key_index(best);
+      mine_id = id;
     }
-    __syncwarp();
-    if (lane == 0) prob[dev::key_index(best)] = -1.f;
-    __syncwarp();
+    if ((id & 31) == lane) {
+#pragma unroll
+      for (int i = 0; i < kPer; ++i)
+        if (lane + 32 * i == id) prob[i] = -1.f;
+      offer = lane_best(prob, E, lane);
+    }
   }
 
   // 5-6. renormalise (slot order, fp32), round, store
@@ -94,10 +117,14 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   const bf16* logits = a.operand<const bf16>(O_LOGITS);
   int* ids_out = a.operand<int>(O_EXPERT_IDS);
   bf16* weights_out = a.operand<bf16>(O_EXPERT_WEIGHTS);
-  float* prob = reinterpret_cast<float*>(a.smem);
   const int lane = threadIdx.x;
-  for (int e = lane; e < E; e += 32) prob[e] = dev::ld_act_bf16f(logits + e);
-  __syncwarp();
+  float prob[kPer];
+  unsigned raw[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i)  // every load issued before any is used
+    raw[i] = lane + 32 * i < E ? dev::ld_act_u16(logits + lane + 32 * i) : 0u;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) prob[i] = __uint_as_float(raw[i] << 16);
   route(prob, E, K, renorm, lane, ids_out, weights_out);
 }
 

@@ -17,8 +17,9 @@ normed the row and read the whole gate (E x H bf16: 512 KB per layer of qwen3-30
 SM: ~65 us per layer on the H200 at batch 1.
 The ids and weights drive moe_gate_up and moe_down (ids in [0, E), distinct within a row).
 
-The kernel (sm90.cuh): warp 0 alone reads the row's logits, then the softmax and K rounds of a
-warp argmax over (probability, lower id first) keys; scratch_bytes below is its layout.
+The kernel (sm90.cuh): warp 0 alone reads the row's logits into registers (all loads in
+flight at once), then the softmax and K rounds of a warp argmax over (probability, lower id
+first) keys.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ class MoeRouter(TaskKind):
     )
     params = (Param("batch"), Param("num_experts"), Param("top_k"), Param("renormalize"))
     attrs: ClassVar[Mapping[str, Any]] = {"renormalize": False}
+    # sm90.cuh keeps a lane's experts (l, l + 32, ...) in this many registers
+    cuda_defaults = {"ROUTER_EXPERTS_PER_LANE": MAX_EXPERTS // 32}
+
+    def cuda_constants(self, op: OpView) -> dict[str, int]:
+        return {"ROUTER_EXPERTS_PER_LANE": -(-op.shape("logits")[1] // 32)}
 
     def default_splits(self, grid, tensors):
         return {name: (0, None, None) for name in ROW_OPERANDS}
@@ -90,7 +96,7 @@ class MoeRouter(TaskKind):
                 "renormalize": int(bool(op.attrs["renormalize"]))}
 
     def scratch_bytes(self, op: OpView) -> int:
-        return 4 * op.shape("logits")[1]  # sm90.cuh: E probabilities
+        return 0  # sm90.cuh keeps the probabilities in registers
 
     def reference(self, tile: Tile) -> None:
         ids, weights = route(tile["logits"].float(), tile["expert_ids"].shape[1],
