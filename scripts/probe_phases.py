@@ -47,6 +47,7 @@ SOURCES = {"linear/sm90.cuh": TASKS_DIR / "linear" / "sm90.cuh",
            "attention/sm90.cuh": TASKS_DIR / "attention" / "sm90.cuh",
            "moe_gate_up/sm90.cuh": TASKS_DIR / "moe_gate_up" / "sm90.cuh",
            "moe_down/sm90.cuh": TASKS_DIR / "moe_down" / "sm90.cuh",
+           "moe_router/sm90.cuh": TASKS_DIR / "moe_router" / "sm90.cuh",
            "runtime.cuh": CSRC / "runtime.cuh", "task_args.cuh": CSRC / "task_args.cuh",
            "ptx.cuh": CSRC / "ptx.cuh"}
 # The Slot's t_wait field (runtime.cuh): rec, params, base[], stream, then t_wait.
