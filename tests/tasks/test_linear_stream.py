@@ -9,12 +9,17 @@ wrong product. The CPU interpreter never uses the stream; this is its only check
 
 from __future__ import annotations
 
+import itertools
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from mpk.tasks.base import PAGE_BYTES
 from mpk.tasks.linear import geometry as geo
+from mpk.tasks.linear import task as linear_task
 
 WARPS = 8
 
@@ -136,3 +141,51 @@ def test_page_runs_cover_the_units() -> None:
         assert runs[0] == (1, 1152)
         units = sum(c * b for c, b in runs[1:]) // geo.UNIT_BYTES
         assert units == geo.num_units(shape, t) == len(geo.unit_order(shape, t))
+
+
+# ---- finish_shared's partial sums in shared memory ----------------------------------------------
+def _cuda_constant(name: str) -> int:
+    text = (Path(linear_task.__file__).parent / "sm90.cuh").read_text()
+    match = re.search(rf"constexpr int {name} = (\d+);", text)
+    assert match, f"sm90.cuh defines no {name}"
+    return int(match.group(1))
+
+
+def _worst_bank_conflict(addresses: list[int]) -> int:
+    """Distinct 4-byte words one warp instruction asks of the same bank (1: none)."""
+    banks: dict[int, set[int]] = {}
+    for a in addresses:
+        banks.setdefault(a % 32, set()).add(a)
+    return max((len(words) for words in banks.values()), default=0)
+
+
+def test_partials_layout_has_at_most_two_way_bank_conflicts() -> None:
+    """sm90.cuh's finish_shared: warp w stores lane (g, t)'s sums j (row 2t + (j & 1), batch g +
+    8 (j >> 1)) at w * kPartWarp + row * kPartRow + batch; thread tid then sums pair (row 2 (tid
+    div B), batch tid mod B) over the warps that met its row group. Unpadded (16, 128), batch 1
+    made every thread's loads hit one bank (16 ways): the padding must keep every batch, block
+    size and epilogue at 2 ways or fewer, and task.py must reserve what the CUDA code carves."""
+    row, warp = _cuda_constant("kPartRow"), _cuda_constant("kPartWarp")
+    warps = geo.WARPS
+    assert linear_task.PART_BYTES == 2 * warps * warp * 4
+
+    def at(w: int, r: int, b: int) -> int:
+        return w * warp + r * row + b
+
+    for j in range(4):
+        stores = [at(0, 2 * (lane & 3) + (j & 1), (lane >> 2) + 8 * (j >> 1)) for lane in range(32)]
+        assert _worst_bank_conflict(stores) <= 2
+    for batch, nb, silu, u0 in itertools.product((1, 2, 4, 8, 16), (1, 2, 4), (False, True),
+                                                 range(4)):
+        shift = 2 if silu else 3
+        for first_warp, j, e in itertools.product(range(warps), range(warps), range(2)):
+            loads = []
+            for tid in range(32 * first_warp, 32 * first_warp + 32):
+                if tid >= nb * (2 if silu else 4) * batch:
+                    continue
+                b, pair_row = tid % batch, 2 * (tid // batch)
+                rgl, r = pair_row >> shift, pair_row & ((1 << shift) - 1)
+                w = ((u0 % nb + rgl) & (nb - 1)) + j * nb
+                if w < warps:
+                    loads.append(at(w, r + e, b))
+            assert _worst_bank_conflict(loads) <= 2, (batch, nb, silu, u0, j)

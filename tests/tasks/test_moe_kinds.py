@@ -146,3 +146,12 @@ def test_cuda_build_has_every_moe_kernel() -> None:
     plan = compile_graph(build_graph(get_preset("tiny-qwen3-moe"), DecodeShape(batch=2)), 8)
     assert {"moe_router", "moe_gate_up", "moe_down"} <= set(plan.kinds)
     assert codegen.missing_kernels(plan.kinds) == []
+
+
+@pytest.mark.parametrize("experts", [6, 32, 33, 128])
+def test_router_registers_cover_every_expert(experts: int) -> None:
+    """moe_router's kernel keeps a lane's experts l, l + 32, ... in ROUTER_EXPERTS_PER_LANE
+    registers: the plan must ask for ceil(E / 32) of them, or experts past 32 x that would
+    never be read (a silently wrong top-k on the GPU that no CPU test would see)."""
+    plan = compile_graph(_graph(1, 64, experts, min(4, experts), 16, True, 1, 1), num_sms=4)
+    assert dict(plan.constants)["ROUTER_EXPERTS_PER_LANE"] == -(-experts // 32)
