@@ -64,8 +64,11 @@ class MoeRouter(TaskKind):
     )
     params = (Param("batch"), Param("num_experts"), Param("top_k"), Param("renormalize"))
     attrs: ClassVar[Mapping[str, Any]] = {"renormalize": False}
-    # sm90.cuh keeps a lane's experts (l, l + 32, ...) in this many registers
-    cuda_defaults = {"ROUTER_EXPERTS_PER_LANE": MAX_EXPERTS // 32}
+    # sm90.cuh keeps a lane's experts (l, l + 32, ...) in this many registers; every plan with a
+    # router sets it (cuda_constants), so the default only shapes builds of all kinds without a
+    # plan (tests/cuda/test_nvcc_build.py): 128 experts, Qwen3-MoE's (at MAX_EXPERTS' 16 a
+    # lane that build spilled 32 reloads in the softmax, nineteenth session)
+    cuda_defaults = {"ROUTER_EXPERTS_PER_LANE": 4}
 
     def cuda_constants(self, op: OpView) -> dict[str, int]:
         return {"ROUTER_EXPERTS_PER_LANE": -(-op.shape("logits")[1] // 32)}
