@@ -5,13 +5,16 @@
 // Layouts: x [B, H], expert_ids [B, K], weight [E, 2, I, H] are whole (operand = tensor start);
 // out [B, K, I] is addressed from its base: pair i = b*K + j, element n at out + i*I + n.
 // Shared scratch (task.py HEADER_BYTES + min(B, MAX_PAIRS) rows): [bits: 16 u32][ids: B*K i32]
-// [pairs: B*K i32][npairs] ... at HEADER_BYTES: [xs: up to min(B, kMaxPairs) rows of x, H bf16].
+// [pairs: B*K i32][npairs][xrow: kMaxPairs i32] ... at HEADER_BYTES: [xs: up to min(B,
+// kMaxPairs) rows of x, H bf16].
 //
 // 1. The ids (an activation: L2 loads) go to shared memory and set one bit per valid expert in a
 //    512-bit map; every thread finds the slot's expert (the u-th set bit) itself. A slot past the
 //    number of distinct experts has no pairs and does nothing more.
 // 2. Warp 0 lists the pairs i = b*K + j with ids[i] == expert (a ballot per 32 ids).
-// 3. Pairs in groups of up to kMaxPairs: the group's x rows are staged (cp.async, L2), then warp
+// 0. At batch <= kMaxPairs every x row is staged (cp.async, L2) before anything else, in place:
+//    its round trip runs under the ids' (a pair finds its row in xrow).
+// 3. Pairs in groups of up to kMaxPairs: the group's x rows are staged (at larger batches), then warp
 //    w takes rows n = lo + w, lo + w + 8, ... of the range: each lane keeps kV 16-byte vectors of
 //    the gate row and kV of the up row in flight (weights, read-only path; their address depends
 //    on the router's ids, so there is no stream: issue 12), and accumulates one fp32 dot per pair
@@ -47,9 +50,13 @@ constexpr int kHeader = 2048; // task.py HEADER_BYTES
 // phase took 25.3 us a layer against 16.9 with the bound fixed: perf-log, thirteenth session).
 template <int kNp>
 __device__ __forceinline__ void rows(const bf16* wgate, long long up_off, unsigned xs, int H,
-                                     int I, int lo, int hi, int ng, const int* pairs, bf16* out) {
+                                     int I, int lo, int hi, int ng, const int* pairs,
+                                     const int* xrow, bf16* out) {
   static_assert(kNp >= 1 && kNp <= kMaxPairs, "pairs per pass");
   const int lane = threadIdx.x & 31, vpr = H / 8;
+  unsigned xo[kNp];  // byte offset of pair p's staged x row
+#pragma unroll
+  for (int p = 0; p < kNp; ++p) xo[p] = (unsigned)((kNp <= 2 || p < ng ? xrow[p] : 0) * H) * 2u;
 #pragma unroll 1
   for (int n = lo + (threadIdx.x >> 5); n < hi; n += kWarps) {
     const bf16* wg = wgate + (long long)n * H;
@@ -78,7 +85,7 @@ __device__ __forceinline__ void rows(const bf16* wgate, long long up_off, unsign
         for (int p = 0; p < kNp; ++p) {
           const bool use = v < vpr && (kNp <= 2 || p < ng);
           float fx[8];
-          dev::unpack8(use ? dev::lds_v4(xs + (unsigned)(p * H + v * 8) * 2u)
+          dev::unpack8(use ? dev::lds_v4(xs + xo[p] + (unsigned)(v * 8) * 2u)
                            : make_uint4(0u, 0u, 0u, 0u), fx);
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
@@ -117,13 +124,25 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   int* ids = reinterpret_cast<int*>(a.smem + 64);
   int* pairs = ids + BK;
   int* npairs = pairs + BK;
+  int* xrow = npairs + 1;  // staged x row of each pair of the group
   bf16* xs = reinterpret_cast<bf16*>(a.smem + kHeader);
+  const int vpr = H / 8;
+  // At most kMaxPairs rows: every row's x is staged first, in place b, so its L2 round trip
+  // runs under the ids' (a pair reads row b = i / K; an expert has at most one pair a row).
+  // More rows: each group of pairs stages its own rows, once the pairs are known.
+  const bool direct = B <= kMaxPairs;
+  if (direct) {
+    for (int idx = tid; idx < B * vpr; idx += NUM_THREADS)
+      dev::cp_async_act16(xs + idx * 8, x + (long long)idx * 8);  // row idx / vpr, in place
+    dev::cp_async_commit();
+  }
 
-  // 1. the expert map and this slot's expert
+  // 1. the expert map and this slot's expert (the first id's load issued before the barrier)
+  const int first_id = tid < BK ? dev::ld_act_i32(gids + tid) : -1;
   if (tid < 16) bits[tid] = 0u;
   mpk::task_sync();
   for (int i = tid; i < BK; i += NUM_THREADS) {
-    const int e = dev::ld_act_i32(gids + i);
+    const int e = i == tid ? first_id : dev::ld_act_i32(gids + i);
     ids[i] = e;
     if (0 <= e && e < E) atomicOr(bits + (e >> 5), 1u << (e & 31));  // others: ignored
   }
@@ -165,29 +184,35 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   int lo, hi;
   dev::split_bounds(I, T, kAlign, tile, lo, hi);
   const bf16* wgate = weight + (long long)expert * 2 * I * H;
-  const int group = min(B, kMaxPairs), vpr = H / 8;
+  const int group = min(B, kMaxPairs);
 #pragma unroll 1
   for (int g0 = 0; g0 < np; g0 += group) {
     const int ng = min(group, np - g0);
     if (g0 > 0) mpk::task_sync();  // every warp is done with the previous group's rows
-    for (int idx = tid; idx < ng * vpr; idx += NUM_THREADS) {
-      const int p = idx / vpr, v = idx - p * vpr;
-      const int b = pairs[g0 + p] / K;
-      dev::cp_async_act16(xs + p * H + v * 8, x + (long long)b * H + v * 8);
+    if (!direct) {
+      for (int idx = tid; idx < ng * vpr; idx += NUM_THREADS) {
+        const int p = idx / vpr, v = idx - p * vpr;
+        const int b = pairs[g0 + p] / K;
+        dev::cp_async_act16(xs + p * H + v * 8, x + (long long)b * H + v * 8);
+      }
     }
+    if (tid < ng) xrow[tid] = direct ? pairs[g0 + tid] / K : tid;
     dev::cp_async_wait_all();
     mpk::task_sync();
     const unsigned xa = dev::smem_addr(xs);
     const long long up_off = (long long)I * H;
     if (ng == 1)
-      rows<1>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, out);
+      rows<1>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, xrow, out);
     else if (ng == 2)
-      rows<2>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, out);
+      rows<2>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, xrow, out);
     else if (ng <= 4)
-      rows<4>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, out);
+      rows<4>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, xrow, out);
     else
-      rows<kMaxPairs>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, out);
+      rows<kMaxPairs>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, xrow, out);
   }
+  // An unused slot (no pairs) must not return with its direct copies still landing in a.smem,
+  // which the SM's next task owns.
+  dev::cp_async_wait_all();
 }
 
 }  // namespace mpk::kinds::moe_gate_up

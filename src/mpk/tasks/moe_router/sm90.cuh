@@ -2,18 +2,21 @@
 // (semantics and rounding points in task.py; steps 3-6 below are its docstring's).
 //
 // Layouts (default splits, grid (B,)): logits, expert_ids, expert_weights are cut by rows, so
-// their operand pointers point at this task's row. No shared scratch.
+// their operand pointers point at this task's row. Shared scratch (task.py scratch_bytes):
+// [keys: E u32, zero-padded to a multiple of 4][top_p: K f32][top_id: K i32].
 //
-// Warp 0 alone (the other warps leave at once; the runtime's barrier after the task pairs with
-// theirs). Lane l keeps the probabilities of experts e = l + 32 i in registers (kPer slots, a
-// compile-time count, so no array is indexed at run time): all its logits are loaded before any
-// is used (an activation: L2-coherent loads; a loop of load-then-store paid one L2 round trip
-// per 32 experts: ~3.7 us a row on qwen3-30b-a3b, perf-log nineteenth session). Then max, exp,
-// sum (each lane's experts in order, then the warp's butterfly), probabilities as torch's CPU
-// softmax (p = e * (1 / sum)), then K rounds of a warp argmax over (probability, lower id
-// first) keys: each lane offers its best key, the winner's lane drops that expert and finds
-// its next best. Lane j keeps slot j. The renormalising sum adds the slots in order, as
-// route() does.
+// 1. Warp 0: lane l keeps the probabilities of experts e = l + 32 i in registers (kPer slots, a
+//    compile-time count, so no array is indexed at run time), all its logits loaded before any
+//    is used (an activation: L2-coherent loads). Max, exp, sum (each lane's experts in order,
+//    then the warp's butterfly), probabilities as torch's CPU softmax (p = e * (1 / sum)), each
+//    stored as its order-preserving key (dev::ordered_key).
+// 2. Every thread: the rank of an expert e is the number of experts whose key is larger, or
+//    equal with a lower id (the (probability, lower id first) order of dev::argmax_key); ranks
+//    below K are the slots. All ranks at once: the K rounds of a warp argmax this replaces were
+//    a serial chain of shuffles, ~3.2 us a row even with the code warm (perf-log, nineteenth
+//    session, probe router_twice).
+// 3. Warp 0: lane j < K takes slot j; the renormalising sum adds the slots in order, as
+//    route() does.
 #pragma once
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -29,33 +32,11 @@ namespace detail {
 using bf16 = __nv_bfloat16;
 
 constexpr int kPer = ROUTER_EXPERTS_PER_LANE;  // task.py cuda_constants: ceil(E / 32)
+constexpr int kMaxTopK = 8;                    // task.py MAX_TOP_K
 
-__device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const unsigned long long o = __shfl_xor_sync(0xffffffffu, v, off);
-    v = o > v ? o : v;
-  }
-  return v;
-}
-
-// This lane's best (probability, lower id first) key; 0 when it holds no expert left.
-__device__ __forceinline__ unsigned long long lane_best(const float (&prob)[kPer], int E,
-                                                        int lane) {
-  unsigned long long best = 0ull;
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int e = lane + 32 * i;
-    const unsigned long long key = e < E ? dev::argmax_key(prob[i], e) : 0ull;
-    best = key > best ? key : best;
-  }
-  return best;
-}
-
-// Steps 3-6 on warp 0 (prob: this lane's logits, overwritten); lane j < K stores slot j.
-__device__ __forceinline__ void route(float (&prob)[kPer], int E, int K, bool renorm, int lane,
-                                      int* ids_out, bf16* weights_out) {
-  // 3. softmax over all E experts in fp32
+// Step 1 on warp 0 (prob: this lane's logits, overwritten): keys[e] = ordered key of p_e.
+__device__ __forceinline__ void softmax_keys(float (&prob)[kPer], int E, int lane,
+                                             unsigned* keys) {
   float m = -INFINITY;
 #pragma unroll
   for (int i = 0; i < kPer; ++i)
@@ -71,39 +52,30 @@ __device__ __forceinline__ void route(float (&prob)[kPer], int E, int K, bool re
   }
   const float rsum = __fdiv_rn(1.f, dev::warp_sum(sum));
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) prob[i] = __fmul_rn(prob[i], rsum);
-
-  // 4. top-k: K rounds of a warp argmax; the chosen expert's probability becomes -1 (below
-  // every probability) on its lane, which then offers its next best key.
-  float mine = 0.f;
-  int mine_id = 0;
-  unsigned long long offer = lane_best(prob, E, lane);
-#pragma unroll 1
-  for (int j = 0; j < K; ++j) {
-    const unsigned long long best = warp_max_u64(offer);
-    const int id = dev::key_index(best);
-    if (lane == j) {
-      mine = dev::key_value(best);
-      mine_id = id;
-    }
-    if ((id & 31) == lane) {
-#pragma unroll
-      for (int i = 0; i < kPer; ++i)
-        if (lane + 32 * i == id) prob[i] = -1.f;
-      offer = lane_best(prob, E, lane);
-    }
+  for (int i = 0; i < kPer; ++i) {
+    const int e = lane + 32 * i;
+    if (e < E) keys[e] = dev::ordered_key(__fmul_rn(prob[i], rsum));
+    else if (e < ((E + 3) & ~3)) keys[e] = 0u;  // padding: below every real key
   }
+}
 
-  // 5-6. renormalise (slot order, fp32), round, store
-  float norm = 0.f;
-#pragma unroll 1
-  for (int j = 0; j < K; ++j) {
-    const float p = __shfl_sync(0xffffffffu, mine, j);
-    norm = j == 0 ? p : __fadd_rn(norm, p);
+// Step 2 for expert e: its rank among the E4 (padded) keys; slots below K are written.
+__device__ __forceinline__ void rank_expert(const unsigned* keys, int E4, int K, int e,
+                                            float* top_p, int* top_id) {
+  const unsigned ke = keys[e];
+  int r0 = 0, r1 = 0, r2 = 0, r3 = 0;  // four counts: no one chain of dependent adds
+#pragma unroll 4
+  for (int f = 0; f < E4; f += 4) {
+    const uint4 q = *reinterpret_cast<const uint4*>(keys + f);
+    r0 += (q.x > ke) | ((q.x == ke) & (f < e));
+    r1 += (q.y > ke) | ((q.y == ke) & (f + 1 < e));
+    r2 += (q.z > ke) | ((q.z == ke) & (f + 2 < e));
+    r3 += (q.w > ke) | ((q.w == ke) & (f + 3 < e));
   }
-  if (lane < K) {
-    ids_out[lane] = mine_id;
-    weights_out[lane] = dev::to_bf16(renorm ? __fdiv_rn(mine, norm) : mine);
+  const int rank = r0 + r1 + r2 + r3;
+  if (rank < K) {
+    top_p[rank] = dev::ordered_value(ke);
+    top_id[rank] = e;
   }
 }
 
@@ -111,21 +83,35 @@ __device__ __forceinline__ void route(float (&prob)[kPer], int E, int K, bool re
 
 MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   using namespace detail;
-  if (threadIdx.x >= 32) return;  // warp 0 routes the row
-  const int E = a.i(P_NUM_EXPERTS), K = a.i(P_TOP_K);
+  const int E = a.i(P_NUM_EXPERTS), K = a.i(P_TOP_K), E4 = (E + 3) & ~3;
   const bool renorm = a.i(P_RENORMALIZE) != 0;
-  const bf16* logits = a.operand<const bf16>(O_LOGITS);
-  int* ids_out = a.operand<int>(O_EXPERT_IDS);
-  bf16* weights_out = a.operand<bf16>(O_EXPERT_WEIGHTS);
-  const int lane = threadIdx.x;
-  float prob[kPer];
-  unsigned raw[kPer];
+  unsigned* keys = reinterpret_cast<unsigned*>(a.smem);
+  float* top_p = reinterpret_cast<float*>(a.smem + E4 * 4);
+  int* top_id = reinterpret_cast<int*>(top_p + kMaxTopK);
+  const int tid = threadIdx.x, lane = tid & 31;
+  if (tid < 32) {  // 1.
+    const bf16* logits = a.operand<const bf16>(O_LOGITS);
+    float prob[kPer];
+    unsigned raw[kPer];
 #pragma unroll
-  for (int i = 0; i < kPer; ++i)  // every load issued before any is used
-    raw[i] = lane + 32 * i < E ? dev::ld_act_u16(logits + lane + 32 * i) : 0u;
+    for (int i = 0; i < kPer; ++i)  // every load issued before any is used
+      raw[i] = lane + 32 * i < E ? dev::ld_act_u16(logits + lane + 32 * i) : 0u;
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) prob[i] = __uint_as_float(raw[i] << 16);
-  route(prob, E, K, renorm, lane, ids_out, weights_out);
+    for (int i = 0; i < kPer; ++i) prob[i] = __uint_as_float(raw[i] << 16);
+    softmax_keys(prob, E, lane, keys);
+  }
+  mpk::task_sync();
+  for (int e = tid; e < E; e += NUM_THREADS) rank_expert(keys, E4, K, e, top_p, top_id);  // 2.
+  mpk::task_sync();
+  if (tid >= 32) return;  // 3. on warp 0
+  float norm = 0.f;
+#pragma unroll 1
+  for (int j = 0; j < K; ++j) norm = j == 0 ? top_p[0] : __fadd_rn(norm, top_p[j]);
+  if (lane < K) {
+    const float mine = top_p[lane];
+    a.operand<int>(O_EXPERT_IDS)[lane] = top_id[lane];
+    a.operand<bf16>(O_EXPERT_WEIGHTS)[lane] = dev::to_bf16(renorm ? __fdiv_rn(mine, norm) : mine);
+  }
 }
 
 }  // namespace mpk::kinds::moe_router

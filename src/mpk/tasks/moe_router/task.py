@@ -17,9 +17,9 @@ normed the row and read the whole gate (E x H bf16: 512 KB per layer of qwen3-30
 SM: ~65 us per layer on the H200 at batch 1.
 The ids and weights drive moe_gate_up and moe_down (ids in [0, E), distinct within a row).
 
-The kernel (sm90.cuh): warp 0 alone reads the row's logits into registers (all loads in
-flight at once), then the softmax and K rounds of a warp argmax over (probability, lower id
-first) keys.
+The kernel (sm90.cuh): warp 0 reads the row's logits into registers (all loads in flight at
+once) and computes the softmax; then every thread ranks experts against all the (probability,
+lower id first) keys at once, and the ranks below K are the slots.
 """
 
 from __future__ import annotations
@@ -64,8 +64,11 @@ class MoeRouter(TaskKind):
     )
     params = (Param("batch"), Param("num_experts"), Param("top_k"), Param("renormalize"))
     attrs: ClassVar[Mapping[str, Any]] = {"renormalize": False}
-    # sm90.cuh keeps a lane's experts (l, l + 32, ...) in this many registers
-    cuda_defaults = {"ROUTER_EXPERTS_PER_LANE": MAX_EXPERTS // 32}
+    # sm90.cuh keeps a lane's experts (l, l + 32, ...) in this many registers; every plan with a
+    # router sets it (cuda_constants), so the default only shapes builds of all kinds without a
+    # plan (tests/cuda/test_nvcc_build.py): 128 experts, Qwen3-MoE's (at MAX_EXPERTS' 16 a
+    # lane that build spilled 32 reloads in the softmax, nineteenth session)
+    cuda_defaults = {"ROUTER_EXPERTS_PER_LANE": 4}
 
     def cuda_constants(self, op: OpView) -> dict[str, int]:
         return {"ROUTER_EXPERTS_PER_LANE": -(-op.shape("logits")[1] // 32)}
@@ -96,7 +99,8 @@ class MoeRouter(TaskKind):
                 "renormalize": int(bool(op.attrs["renormalize"]))}
 
     def scratch_bytes(self, op: OpView) -> int:
-        return 0  # sm90.cuh keeps the probabilities in registers
+        experts = op.shape("logits")[1]
+        return 4 * (-(-experts // 4) * 4) + 8 * MAX_TOP_K  # sm90.cuh: keys, top_p, top_id
 
     def reference(self, tile: Tile) -> None:
         ids, weights = route(tile["logits"].float(), tile["expert_ids"].shape[1],
