@@ -35,8 +35,6 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
   walk_start WAIT := warp 0's entry into the last block's walk (scripts/phase_spread.py --run),
   moe_down_resid_first  moe_down's residual loaded before the output's sum (same results,
              timing),
-  router_twice moe_router routes twice in one task, INPUT after the first pass, COMPUTE after
-             the second (cold code or its own latency chain? timing),
 Per op role: the phase parts, and for pagewait the mean page wait of its linear tasks.
 
   python scripts/probe_model.py --model qwen3-0.6b [--runs none,pagewait] [--json]   # on the GPU
@@ -306,16 +304,6 @@ PATCHES["moe_down_resid_first"] = {"moe_down/sm90.cuh": [(DOWN_OUT, (
     "      const long long off = (long long)b * H + n;\n"
     "      const float resid = lane == 0 ? dev::ld_act_bf16f(res + off) : 0.f;\n"
     "      const float total = output(r, n, lane);\n      if (lane == 0) {\n"))]}
-# moe_router routes its row twice in one task (timing; same outputs), marks INPUT after the first
-# pass and COMPUTE after the second: is its ~3.5 us the code's first, cold run (instruction
-# fetch) or the chain of its own latencies?
-ROUTE_BODY = "  const int lane = threadIdx.x;\n  float prob[kPer];\n"
-ROUTE_END = "  route(prob, E, K, renorm, lane, ids_out, weights_out);\n}\n"
-PATCHES["router_twice"] = {"moe_router/sm90.cuh": [
-    (ROUTE_BODY, "  const int lane = threadIdx.x;\n#pragma unroll 1\n  for (int rep = 0; rep < 2; ++rep) {\n"
-                 "  float prob[kPer];\n"),
-    (ROUTE_END, "  route(prob, E, K, renorm, lane, ids_out, weights_out);\n  __syncwarp();\n"
-                "  a.mark(rep);\n  }\n}\n")]}
 PATCHES["moe_inflight2x"] = {
     "moe_gate_up/sm90.cuh": [("constexpr int kV = 4;", "constexpr int kV = 8;")],
     "moe_down/sm90.cuh": [("constexpr int kV = 3;", "constexpr int kV = 6;")]}
@@ -326,7 +314,7 @@ RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "
         "nanosleep": "nanosleep", "hint": "hint",
         "relaxed_poll": "relaxed_poll", "no_loader": "no_loader", "pagewait": "pagewait1", "no_mma": "no_mma", "no_wload": "no_wload",
         "no_units": "no_units", "warp_release": "warp_release",
-        "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "moe_down_resid_first": "moe_down_resid_first", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "no_aload_walk_cycles": "no_aload_walk_cycles", "no_wload_walk_cycles": "no_wload_walk_cycles", "epi_cycles": "epi_cycles", "moe_inflight2x": "moe_inflight2x", "router_twice": "router_twice"}
+        "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "moe_down_resid_first": "moe_down_resid_first", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "no_aload_walk_cycles": "no_aload_walk_cycles", "no_wload_walk_cycles": "no_wload_walk_cycles", "epi_cycles": "epi_cycles", "moe_inflight2x": "moe_inflight2x"}
 
 
 @contextmanager

@@ -8,18 +8,18 @@
 // [pairs: B*K i32][npairs][xrow: kMaxPairs i32] ... at HEADER_BYTES: [xs: up to min(B,
 // kMaxPairs) rows of x, H bf16].
 //
+// 0. At batch <= kMaxPairs every x row is staged (cp.async, L2) before anything else, in place:
+//    its round trip runs under the ids' (a pair finds its row in xrow).
 // 1. The ids (an activation: L2 loads) go to shared memory and set one bit per valid expert in a
 //    512-bit map; every thread finds the slot's expert (the u-th set bit) itself. A slot past the
 //    number of distinct experts has no pairs and does nothing more.
 // 2. Warp 0 lists the pairs i = b*K + j with ids[i] == expert (a ballot per 32 ids).
-// 0. At batch <= kMaxPairs every x row is staged (cp.async, L2) before anything else, in place:
-//    its round trip runs under the ids' (a pair finds its row in xrow).
-// 3. Pairs in groups of up to kMaxPairs: the group's x rows are staged (at larger batches), then warp
-//    w takes rows n = lo + w, lo + w + 8, ... of the range: each lane keeps kV 16-byte vectors of
-//    the gate row and kV of the up row in flight (weights, read-only path; their address depends
-//    on the router's ids, so there is no stream: issue 12), and accumulates one fp32 dot per pair
-//    and matrix. Lane p stores pair p's output. Only when more than kMaxPairs rows chose the
-//    expert is there a second group, which reads its rows again (from L2).
+// 3. Pairs in groups of up to kMaxPairs: the group's x rows are staged (larger batches), then
+//    warp w takes rows n = lo + w, lo + w + 8, ... of the range: each lane keeps kV 16-byte
+//    vectors of the gate row and kV of the up row in flight (weights, read-only path; their
+//    address depends on the router's ids, so there is no stream: issue 12), and accumulates one
+//    fp32 dot per pair and matrix. Lane p stores pair p's output. Only when more than kMaxPairs
+//    rows chose the expert is there a second group, which reads its rows again (from L2).
 // Register use stays small (inlined into the all-kinds dispatch switch): 2 kV vectors and
 // 2 kMaxPairs sums, every array indexed by compile-time constants, outer loops not unrolled.
 // kV, kMaxPairs (and moe_down's kJ, kV, moe_router's kLoads) were picked among tunings of equal

@@ -51,7 +51,7 @@ from mpk.tasks.registry import register
 
 ALIGN = 8  # intermediate rows per unit of the split (task ranges start at multiples of 8)
 X_BUDGET = 96 * 1024  # shared memory for the staged input rows (bytes)
-HEADER_BYTES = 2048  # sm90.cuh: expert bitmap, the ids, the (b, j) pairs, their count
+HEADER_BYTES = 2048  # sm90.cuh: expert bitmap, the ids, the (b, j) pairs, their count, xrow
 MAX_PAIRS = 8  # sm90.cuh kMaxPairs: input rows staged (and dot products kept) per pass
 
 

@@ -3,7 +3,7 @@
 //
 // Layouts (default splits, grid (B,)): logits, expert_ids, expert_weights are cut by rows, so
 // their operand pointers point at this task's row. Shared scratch (task.py scratch_bytes):
-// [keys: E u32, zero-padded to a multiple of 4][top_p: K f32][top_id: K i32].
+// [keys: E u32, zero-padded to a multiple of 4][top_p: 8 f32][top_id: 8 i32] (slots < K used).
 //
 // 1. Warp 0: lane l keeps the probabilities of experts e = l + 32 i in registers (kPer slots, a
 //    compile-time count, so no array is indexed at run time), all its logits loaded before any
