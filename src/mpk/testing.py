@@ -29,6 +29,7 @@ a random runnable (rank, SM) each time (seeded).
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -376,3 +377,8 @@ def routing_margins(router_logits: Sequence[torch.Tensor], top_k: int) -> torch.
         else:
             gaps.append((s[:, top_k - 1] - s[:, top_k]) / s.std(dim=-1))
     return torch.cat(gaps)
+
+
+def cuda_constants(source: str) -> dict[str, int]:
+    """The `constexpr int NAME = value;` definitions of CUDA source text."""
+    return {m[0]: int(m[1]) for m in re.findall(r"constexpr int (\w+) = (-?\d+);", source)}

@@ -19,6 +19,7 @@ from mpk.models.builder import DecodeShape, build_graph
 from mpk.models.config import get_preset
 from mpk.tasks.registry import all_kinds, get_kind
 from mpk.tensors import Role
+from mpk.testing import cuda_constants
 from tests.cuda.runtime_plans import chain_plan
 
 
@@ -35,10 +36,6 @@ def small_plan(num_sms: int = 4) -> Plan:
     return compile_graph(g, num_sms=num_sms, fuse_ops=False)
 
 
-def constants(source: str) -> dict[str, int]:
-    return {m[0]: int(m[1]) for m in re.findall(r"constexpr int (\w+) = (-?\d+);", source)}
-
-
 def namespace(source: str, kind: str) -> str:
     m = re.search(rf"namespace mpk::kinds::{kind} \{{(.*?)\}}  // namespace", source, re.S)
     assert m, f"no namespace block for {kind}"
@@ -47,7 +44,7 @@ def namespace(source: str, kind: str) -> str:
 
 def test_layout_constants_come_from_record() -> None:
     src = codegen.render(small_plan())
-    consts = constants(src)
+    consts = cuda_constants(src)
     for name, value in record.layout_constants().items():
         assert consts[f"REC_{name}"] == value, name
     assert consts["NUM_THREADS"] == 256
@@ -78,7 +75,7 @@ def test_kinds_dispatch_and_includes_follow_the_plan() -> None:
     assert plan.kinds == ("linear", "rmsnorm")
     for kind_id, name in enumerate(plan.kinds):
         kind = get_kind(name)
-        block = constants(namespace(src, name))
+        block = cuda_constants(namespace(src, name))
         assert block["KIND_ID"] == kind_id
         for slot, spec in enumerate(kind.operands):
             assert block[f"O_{spec.name.upper()}"] == slot
@@ -105,7 +102,7 @@ def test_source_depends_only_on_kinds_and_sizes() -> None:
     with pytest.raises(CompileError, match="duplicate"):
         codegen.render_kinds(["rmsnorm", "rmsnorm"])
     # A larger task scratch leaves fewer weight pages; too large a one is refused clearly.
-    big = constants(codegen.render_kinds(["silu_mul"], scratch_bytes=96 * 1024))
+    big = cuda_constants(codegen.render_kinds(["silu_mul"], scratch_bytes=96 * 1024))
     assert big["NUM_PAGES"] == (codegen.SMEM_LIMIT - codegen.STATIC_RESERVE - 96 * 1024) // \
         codegen.PAGE_BYTES < codegen.MAX_PAGES
     with pytest.raises(UnsupportedError, match="weight pages"):
@@ -137,9 +134,9 @@ def test_flagged_follows_the_plans_flagged_tensors(preset: str, batch: int,
 
 def test_plan_constants_raise_kind_defaults() -> None:
     src = codegen.render_kinds(["attention"])
-    assert constants(src)["ATTN_MAX_HEAD_DIM"] == 128
+    assert cuda_constants(src)["ATTN_MAX_HEAD_DIM"] == 128
     src = codegen.render_kinds(["attention"], constants={"ATTN_MAX_HEAD_DIM": 256})
-    assert constants(src)["ATTN_MAX_HEAD_DIM"] == 256
+    assert cuda_constants(src)["ATTN_MAX_HEAD_DIM"] == 256
 
 
 def test_params_struct_layout() -> None:

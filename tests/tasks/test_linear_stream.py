@@ -10,7 +10,6 @@ wrong product. The CPU interpreter never uses the stream; this is its only check
 from __future__ import annotations
 
 import itertools
-import re
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ import torch
 from mpk.tasks.base import PAGE_BYTES
 from mpk.tasks.linear import geometry as geo
 from mpk.tasks.linear import task as linear_task
+from mpk.testing import cuda_constants
 
 WARPS = 8
 
@@ -144,13 +144,6 @@ def test_page_runs_cover_the_units() -> None:
 
 
 # ---- finish_shared's partial sums in shared memory ----------------------------------------------
-def _cuda_constant(name: str) -> int:
-    text = (Path(linear_task.__file__).parent / "sm90.cuh").read_text()
-    match = re.search(rf"constexpr int {name} = (\d+);", text)
-    assert match, f"sm90.cuh defines no {name}"
-    return int(match.group(1))
-
-
 def _worst_bank_conflict(addresses: list[int]) -> int:
     """Distinct 4-byte words one warp instruction asks of the same bank (1: none)."""
     banks: dict[int, set[int]] = {}
@@ -165,7 +158,8 @@ def test_partials_layout_has_at_most_two_way_bank_conflicts() -> None:
     div B), batch tid mod B) over the warps that met its row group. Unpadded (16, 128), batch 1
     made every thread's loads hit one bank (16 ways): the padding must keep every batch, block
     size and epilogue at 2 ways or fewer, and task.py must reserve what the CUDA code carves."""
-    row, warp = _cuda_constant("kPartRow"), _cuda_constant("kPartWarp")
+    defined = cuda_constants((Path(linear_task.__file__).parent / "sm90.cuh").read_text())
+    row, warp = defined["kPartRow"], defined["kPartWarp"]
     warps = geo.WARPS
     assert linear_task.PART_BYTES == 2 * warps * warp * 4
 

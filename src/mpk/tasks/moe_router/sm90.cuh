@@ -35,7 +35,7 @@ constexpr int kPer = ROUTER_EXPERTS_PER_LANE;  // task.py cuda_constants: ceil(E
 constexpr int kMaxTopK = 8;                    // task.py MAX_TOP_K
 
 // Step 1 on warp 0 (prob: this lane's logits, overwritten): keys[e] = ordered key of p_e.
-__device__ __forceinline__ void softmax_keys(float (&prob)[kPer], int E, int lane,
+__device__ __forceinline__ void softmax_keys(float (&prob)[kPer], int E, int E4, int lane,
                                              unsigned* keys) {
   float m = -INFINITY;
 #pragma unroll
@@ -55,7 +55,7 @@ __device__ __forceinline__ void softmax_keys(float (&prob)[kPer], int E, int lan
   for (int i = 0; i < kPer; ++i) {
     const int e = lane + 32 * i;
     if (e < E) keys[e] = dev::ordered_key(__fmul_rn(prob[i], rsum));
-    else if (e < ((E + 3) & ~3)) keys[e] = 0u;  // padding: below every real key
+    else if (e < E4) keys[e] = 0u;  // padding: below every real key
   }
 }
 
@@ -98,7 +98,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
       raw[i] = lane + 32 * i < E ? dev::ld_act_u16(logits + lane + 32 * i) : 0u;
 #pragma unroll
     for (int i = 0; i < kPer; ++i) prob[i] = __uint_as_float(raw[i] << 16);
-    softmax_keys(prob, E, lane, keys);
+    softmax_keys(prob, E, E4, lane, keys);
   }
   mpk::task_sync();
   for (int e = tid; e < E; e += NUM_THREADS) rank_expert(keys, E4, K, e, top_p, top_id);  // 2.
