@@ -6,22 +6,18 @@
 // (operand = tensor start); residual and out [B, H] are addressed from their bases (element
 // (b, n) at + b*H + n). out may be the residual tensor itself: each element is read and then
 // written by the same lane, and only this task's range is touched.
-// Shared scratch (task.py): [ids: B*K i32][weights: B*K f32] ... at kBars: [each warp's
-// kMaxDepth mbarriers] ... at HEADER_BYTES: [xs: K x I bf16, batch row b's expert activations]
-// ... at a 128-byte boundary: [each warp's ring: depth slots of one chunk (kChunk elements) of a
-// weight row], depth = what SMEM_BYTES leaves (task.py reserves 2).
+// Shared scratch (task.py HEADER_BYTES + one row's K activations): [ids: B*K i32]
+// [weights: B*K f32] ... at HEADER_BYTES: [xs: K x I bf16, batch row b's expert activations].
 //
 // Per batch row b: its K activation rows are staged (cp.async, L2; row 0's before the ids are
-// read), then warp w takes outputs n = lo + w, lo + w + 8, ... Each warp streams the rows it
-// needs, W[e_bj, n] for its outputs and the row's slots j in order, through its own ring of
-// shared-memory slots filled by bulk copies (common/warp_ring.cuh), started as soon as the ids
-// are in shared memory and running ahead across outputs and batch rows (the address depends on
-// this step's ids, so the runtime's loader cannot stream them: issue 12). One fp32 dot per slot;
-// at an output's end its slots are rounded, weighted, rounded and added to the running fp32 sum
-// in slot order, so the sum is the reference's. An id outside [0, E) adds nothing (its unit
-// copies no bytes).
-// Register use stays small (inlined into the all-kinds dispatch switch): kJ sums, indexed by
-// compile-time constants; outer loops not unrolled.
+// read), then warp w takes outputs n = lo + w, lo + w + 8, ... For one output the slots are
+// visited in groups of kJ: each lane keeps kJ x kV 16-byte vectors of the chosen experts' rows
+// W[e, n] in flight (weights, read-only path; no stream because the address depends on this
+// step's ids: issue 12), and one fp32 dot per slot; after a group, its slots are rounded,
+// weighted, rounded and added to the running fp32 sum in slot order, so the sum is the
+// reference's. An id outside [0, E) adds nothing.
+// Register use stays small (inlined into the all-kinds dispatch switch): kJ x kV vectors and kJ
+// sums, indexed by compile-time constants; outer loops not unrolled.
 #pragma once
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -30,86 +26,79 @@
 #include "../common/memory.cuh"
 #include "../common/reduce.cuh"
 #include "../common/split.cuh"
-#include "../common/warp_ring.cuh"
 
 namespace mpk::kinds::moe_down {
 namespace detail {
 
 using bf16 = __nv_bfloat16;
 constexpr int kWarps = NUM_THREADS / 32;
-constexpr int kJ = 8;          // task.py MAX_TOP_K: slots a row may have (sums kept)
+constexpr int kJ = 8;          // slots per group
+constexpr int kV = 3;          // vectors per slot row in flight per lane
 constexpr int kAlign = 8;      // task.py ALIGN
 constexpr int kHeader = 2048;  // task.py HEADER_BYTES
-constexpr int kBars = 1536;    // the warps' ring barriers (ids and weights end below: B*K <= 128)
-constexpr int kMaxDepth = 8;   // moe_gate_up task.py MAX_DEPTH: slots a warp's ring may have
-constexpr int kChunk = 1024;   // moe_gate_up task.py CHUNK: elements of a weight row in a slot
-constexpr int kVecs = kChunk / 8 / 32;  // 16-byte vectors of a full chunk per lane
-static_assert(kBars + kWarps * kMaxDepth * 8 <= kHeader, "ring barriers fit the header");
 
-// Where a warp's units come from: unit k is chunk c of W[e_bj, n] for batch row b = k / total,
-// the warp's i-th output n = n0 + 8i and slot j: k = b * total + (i * K + j) * nc + c.
-struct Units {
+struct Row {  // batch row b, as this task sees it
   const bf16* w;   // weight [E, H, I]
-  const int* ids;  // smem: every row's K ids
-  int E, H, I, K, n0, nc, total;  // first output, chunks a row, units of one batch row
-  __device__ __forceinline__ const bf16* src(int k, uint32_t& bytes) const {
-    const int b = k / total, kk = k - b * total, per_out = K * nc, i = kk / per_out;
-    const int r = kk - i * per_out, j = r / nc, c = r - j * nc;
-    const int e = ids[b * K + j];
-    bytes = 0 <= e && e < E ? (uint32_t)min(kChunk, I - c * kChunk) * 2u : 0u;
-    return w + ((long long)e * H + n0 + kWarps * i) * I + c * kChunk;
-  }
+  const int* ids;  // smem: row b's K ids
+  const float* ws; // smem: row b's K routing weights
+  unsigned xs;     // smem address of row b's K staged activations
+  int H, I, E, K;
 };
 
-// Lane 0: unit k into the ring, if the task has one.
-__device__ __forceinline__ void fill(const dev::WarpRing& ring, const Units& u, int k, int kend) {
-  if (k < kend) {
-    uint32_t bytes;
-    const bf16* src = u.src(k, bytes);
-    ring.fill(k, src, bytes);
-  }
+// Slot j's weight row W[e_j, n], or nullptr past the row's slots or for an id outside [0, E).
+// Recomputed from the staged id where it is needed: kJ pointers kept live would cost 2 kJ
+// registers across the loop.
+__device__ __forceinline__ const bf16* slot_row(const Row& r, int j, int n) {
+  const int e = j < r.K ? r.ids[j] : -1;
+  return 0 <= e && e < r.E ? r.w + ((long long)e * r.H + n) * r.I : nullptr;
 }
 
-// sum_j bf16(bf16(x[b, j] . W[e_j, n]) * w_j) in fp32, slot order (every lane returns it), from
-// the ring's units k0, k0 + 1, ... (row b's slots j in order, their chunks in order).
-__device__ __forceinline__ float output(const dev::WarpRing& ring, const Units& u, int k0,
-                                        int kend, const int* ids, const float* ws, unsigned xs,
-                                        int lane) {
-  float acc[kJ];
+// sum_j bf16(bf16(x[b, j] . W[e_j, n]) * w_j) in fp32, slot order (every lane returns it).
+__device__ __forceinline__ float output(const Row& r, int n, int lane) {
+  const int vpr = r.I / 8;
+  float total = 0.f;
+#pragma unroll 1
+  for (int j0 = 0; j0 < r.K; j0 += kJ) {
+    float acc[kJ];
 #pragma unroll
-  for (int jj = 0; jj < kJ; ++jj) {
-    acc[jj] = 0.f;
-    if (jj < u.K) {  // warp-uniform
-      const bool valid = 0 <= ids[jj] && ids[jj] < u.E;
+    for (int jj = 0; jj < kJ; ++jj) acc[jj] = 0.f;
 #pragma unroll 1
-      for (int c = 0; c < u.nc; ++c) {
-        const int k = k0 + jj * u.nc + c, nv = min(kChunk, u.I - c * kChunk) / 8;
-        const unsigned sw = ring.wait(k);
-        // Branch-free: past the chunk, or for an id outside [0, E) (its slot holds stale
-        // bytes), both vectors are zero and add +0 to a sum that starts at +0.
-#pragma unroll 1
-        for (int q = 0; q < kVecs; ++q) {
-          const int v = 32 * q + lane;
-          const bool ok = valid && v < nv;
-          const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    for (int c = 0; c < vpr; c += 32 * kV) {
+      uint4 w[kJ][kV];
+#pragma unroll
+      for (int jj = 0; jj < kJ; ++jj) {
+        const bf16* row = slot_row(r, j0 + jj, n);
+#pragma unroll
+        for (int i = 0; i < kV; ++i) {
+          const int v = c + 32 * i + lane;
+          w[jj][i] = row != nullptr && v < vpr ? dev::ld_weight_v4(row + v * 8)
+                                               : make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+      // Branch-free: a vector past the slots or the row is a zero x (and a zero weight) whose
+      // products add +0 to a sum that starts at +0 (a skipped block per vector made each one a
+      // convergence region, as moe_gate_up's pair loop had: perf-log, thirteenth session).
+#pragma unroll
+      for (int jj = 0; jj < kJ; ++jj)
+#pragma unroll
+        for (int i = 0; i < kV; ++i) {
+          const int v = c + 32 * i + lane;
+          const bool ok = j0 + jj < r.K && v < vpr;
+          const uint4 xv = ok ? dev::lds_v4(r.xs + (unsigned)((j0 + jj) * r.I + v * 8) * 2u)
+                              : make_uint4(0u, 0u, 0u, 0u);
           float fx[8], fw[8];
-          dev::unpack8(ok ? dev::lds_v4(sw + 16u * v) : zero, fw);
-          dev::unpack8(ok ? dev::lds_v4(xs + (unsigned)(jj * u.I + c * kChunk + v * 8) * 2u)
-                          : zero, fx);
+          dev::unpack8(xv, fx);
+          dev::unpack8(w[jj][i], fw);
 #pragma unroll
           for (int e = 0; e < 8; ++e) acc[jj] = fmaf(fx[e], fw[e], acc[jj]);
         }
-        __syncwarp();  // every lane has read the slot: it may be refilled
-        if (lane == 0) fill(ring, u, k + ring.depth, kend);
-      }
     }
-  }
-  float total = 0.f;
 #pragma unroll
-  for (int jj = 0; jj < kJ; ++jj) {
-    if (jj < u.K && 0 <= ids[jj] && ids[jj] < u.E) {  // warp-uniform
-      const float down = dev::round_bf16(dev::warp_sum(acc[jj]));
-      total = __fadd_rn(total, dev::round_bf16(__fmul_rn(down, ws[jj])));
+    for (int jj = 0; jj < kJ; ++jj) {
+      if (slot_row(r, j0 + jj, n) != nullptr) {  // warp-uniform
+        const float down = dev::round_bf16(dev::warp_sum(acc[jj]));
+        total = __fadd_rn(total, dev::round_bf16(__fmul_rn(down, r.ws[j0 + jj])));
+      }
     }
   }
   return total;
@@ -139,7 +128,6 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   // local memory, and every late read of it is a reload (ptxas spill loads).
   const int BK = B * K, tid = threadIdx.x, lane = tid & 31;
   int* ids = reinterpret_cast<int*>(a.smem);
-  const unsigned smem = dev::smem_addr(a.smem);
   float* ws = reinterpret_cast<float*>(ids + BK);
   bf16* xs = reinterpret_cast<bf16*>(a.smem + kHeader);
   const int kvpr = K * I / 8;  // 16-byte vectors of one row's K activations
@@ -150,18 +138,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
     ids[i] = dev::ld_act_i32(gids + i);
     ws[i] = dev::ld_act_bf16f(gws + i);
   }
-  // The warp index through volatile asm (moe_gate_up says why).
-  const int warp = ptx::thread_index() >> 5, n0 = lo + warp, nc = (I + kChunk - 1) / kChunk;
-  const int my_outs = n0 < hi ? (hi - n0 + kWarps - 1) / kWarps : 0;
-  const Units u{weight, ids, E, H, I, K, n0, nc, my_outs * K * nc};
-  const int kend = B * u.total, per_out = K * nc;
-  const uint32_t slot_bytes = (uint32_t)(min(kChunk, I) * 2 + 127) & ~127u;
-  const uint32_t ring_off = (uint32_t)(kHeader + K * I * 2 + 127) & ~127u;  // after xs
-  const int depth = min(kMaxDepth, (int)((SMEM_BYTES - ring_off) / (kWarps * slot_bytes)));
-  dev::WarpRing ring{smem + kBars + 8u * kMaxDepth * warp,
-                     smem + ring_off + slot_bytes * depth * warp, slot_bytes,
-                     depth};
-  const unsigned xa = dev::smem_addr(xs);
+  Row r{weight, ids, ws, dev::smem_addr(xs), H, I, E, K};
 #pragma unroll 1
   for (int b = 0; b < B; ++b) {
     if (b > 0) {
@@ -170,23 +147,18 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
     }
     dev::cp_async_wait_all();
     mpk::task_sync();  // also publishes ids / ws (first row)
-    if (b == 0 && u.total > 0) {  // the ring starts once the ids are in shared memory
-      ring.init(lane);
-      if (lane == 0)
-        for (int k = 0; k < depth; ++k) fill(ring, u, k, kend);
-    }
+    r.ids = ids + b * K;
+    r.ws = ws + b * K;
 #pragma unroll 1
-    for (int i = 0; i < my_outs; ++i) {
-      const float total = output(ring, u, b * u.total + i * per_out, kend, ids + b * K,
-                                 ws + b * K, xa, lane);
+    for (int n = lo + (tid >> 5); n < hi; n += kWarps) {
+      const float total = output(r, n, lane);
       if (lane == 0) {
-        const long long off = (long long)b * H + n0 + kWarps * i;
+        const long long off = (long long)b * H + n;
         const float resid = dev::ld_act_bf16f(res + off);
         out[off] = dev::to_bf16(__fadd_rn(resid, dev::round_bf16(total)));
       }
     }
   }
-  if (u.total > 0) ring.finish(lane);
 }
 
 }  // namespace mpk::kinds::moe_down

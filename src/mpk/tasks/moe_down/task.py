@@ -10,15 +10,15 @@ product to bf16 and sum them in fp32 with one rounding, then the decoder adds th
 
 Grid (T,): T ranges of H starting at multiples of 8 (split_align), one task per SM; every task
 reads all of x, expert_ids and expert_weights and the chosen experts' rows of its range.
-The weights are not a stream, as in moe_gate_up (their address depends on this step's
-expert_ids): each warp streams the rows it needs through its own ring of shared-memory slots
-filled by bulk copies (common/warp_ring.cuh). An id outside [0, E) raises IndexError here; the
-kernel skips it.
+Weights come from global memory, not a stream, as in moe_gate_up (their address depends on
+this step's expert_ids; streaming them through the loader is later GPU work). An id outside
+[0, E) raises IndexError here; the kernel skips it.
 
 The kernel (sm90.cuh): per batch row, its K activations staged in shared memory; a warp per
-output of the range reads each slot's chosen row from its ring (started as soon as the ids are
-in shared memory, running ahead across outputs and rows), rounds and weights each slot's dot
-product and adds it to the fp32 sum in slot order.
+output of the range visits the slots 8 at a time (3 vectors of each chosen row in flight per
+lane: qwen3-30b-a3b's I = 768 in one round; 2 of 4 slots was 2.3 us a layer slower, perf-log
+nineteenth session), rounds and weights each slot's dot product and adds it to the fp32 sum in
+slot order.
 An expert two rows chose is read once from HBM and again from L2.
 """
 
@@ -38,14 +38,14 @@ from mpk.tasks.base import (
     split_bounds,
 )
 from mpk.tasks.linear.task import MAX_BATCH
-from mpk.tasks.moe_gate_up.task import checked_ids, expected_distinct, ring_bytes
+from mpk.tasks.moe_gate_up.task import checked_ids, expected_distinct
 from mpk.tasks.moe_router.task import MAX_EXPERTS, MAX_TOP_K
 from mpk.tasks.numerics import bf16
 from mpk.tasks.registry import register
 
 ALIGN = 8
 X_BUDGET = 64 * 1024  # shared memory for one batch row's K staged expert activations (bytes)
-HEADER_BYTES = 2048  # sm90.cuh: the staged ids and weights (B x K each), ring barriers
+HEADER_BYTES = 2048  # sm90.cuh: the staged ids and weights (B x K each)
 
 
 @register
@@ -108,7 +108,7 @@ class MoeDown(TaskKind):
 
     def scratch_bytes(self, op: OpView) -> int:
         _, top_k, inter = op.shape("x")
-        return ring_bytes(HEADER_BYTES + 2 * top_k * inter, inter)
+        return HEADER_BYTES + 2 * top_k * inter
 
     def reference(self, tile: Tile) -> None:
         weight = tile["weight"]  # whole [E, H, I]

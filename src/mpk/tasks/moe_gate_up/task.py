@@ -18,16 +18,15 @@ every u. The slots partition the pairs, so the writes of different slots never m
 (disjoint_writes). Every task reads all of x and expert_ids.
 
 Weights: their address depends on expert_ids, an activation of this step, so the kind has no
-weight stream (TaskKind.stream_layout): the kernel streams the chosen experts' rows itself, each
-warp through its own ring of shared-memory slots filled by bulk copies (common/warp_ring.cuh)
-from the moment the slot's expert is known. An id outside [0, E) (never written by
+weight stream (TaskKind.stream_layout): the kernel reads the chosen experts' rows from global
+memory. Streaming them into shared-memory pages through the runtime's loader, as soon as the
+router's result is known, is later GPU work (issue 12). An id outside [0, E) (never written by
 moe_router) raises IndexError here; the kernel ignores it.
 
 The kernel (sm90.cuh): the ids set bits in a 512-bit map, the slot finds its expert (the u-th
 set bit) and lists its pairs; the pairs' x rows are staged MAX_PAIRS at a time (normally one
 group: more only when more than MAX_PAIRS rows chose one expert), and each warp computes rows of
-the range from its ring, gate and up together, with plain fp32 FMA dot products (one per pair and
-matrix).
+the range, gate and up together, with plain fp32 FMA dot products (one per pair and matrix).
 """
 
 from __future__ import annotations
@@ -52,21 +51,8 @@ from mpk.tasks.registry import register
 
 ALIGN = 8  # intermediate rows per unit of the split (task ranges start at multiples of 8)
 X_BUDGET = 96 * 1024  # shared memory for the staged input rows (bytes)
-HEADER_BYTES = 2048  # sm90.cuh: expert bitmap, ids, (b, j) pairs, count, xrow, ring barriers
+HEADER_BYTES = 2048  # sm90.cuh: expert bitmap, the ids, the (b, j) pairs, their count, xrow
 MAX_PAIRS = 8  # sm90.cuh kMaxPairs: input rows staged (and dot products kept) per pass
-CHUNK = 1024  # sm90.cuh kChunk: elements of a weight row in one slot of a warp's ring
-RING_WARPS = 8  # the kernel's warps, one ring each
-MIN_DEPTH = 2  # slots a ring needs (a warp waits for a chunk's gate and up slots together)
-MAX_DEPTH = 8  # sm90.cuh kMaxDepth: slots a ring may have (their barriers fill the header)
-
-
-def ring_bytes(offset: int, row: int) -> int:
-    """The scratch a kernel with a ring per warp (common/warp_ring.cuh) needs: `offset` bytes
-    before it (rounded to 128), then MIN_DEPTH slots a warp of one chunk of a `row`-element
-    weight row each (rounded to 128 bytes). The kernel takes deeper rings where the plan's
-    scratch allows (up to MAX_DEPTH slots)."""
-    slot = -(-2 * min(CHUNK, row) // 128) * 128
-    return -(-offset // 128) * 128 + RING_WARPS * MIN_DEPTH * slot
 
 
 def expected_distinct(experts: int, top_k: int, batch: int) -> float:
@@ -147,7 +133,7 @@ class MoeGateUp(TaskKind):
 
     def scratch_bytes(self, op: OpView) -> int:
         batch, hidden = op.shape("x")
-        return ring_bytes(HEADER_BYTES + 2 * min(batch, MAX_PAIRS) * hidden, hidden)
+        return HEADER_BYTES + 2 * min(batch, MAX_PAIRS) * hidden
 
     def reference(self, tile: Tile) -> None:
         weight = tile["weight"]  # whole [E, 2, I, H]
