@@ -35,6 +35,8 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
   walk_start WAIT := warp 0's entry into the last block's walk (scripts/phase_spread.py --run),
   moe_down_resid_first  moe_down's residual loaded before the output's sum (same results,
              timing),
+  moe_gu_pf, moe_down_pf, moe_pf  the experts' weights prefetched to L2 in bulk as soon as
+             their addresses are known (gate_up, down, both; same results),
 Per op role: the phase parts, and for pagewait the mean page wait of its linear tasks.
 
   python scripts/probe_model.py --model qwen3-0.6b [--runs none,pagewait] [--json]   # on the GPU
@@ -307,6 +309,39 @@ PATCHES["moe_down_resid_first"] = {"moe_down/sm90.cuh": [(DOWN_OUT, (
 PATCHES["moe_inflight2x"] = {
     "moe_gate_up/sm90.cuh": [("constexpr int kV = 4;", "constexpr int kV = 8;")],
     "moe_down/sm90.cuh": [("constexpr int kV = 3;", "constexpr int kV = 6;")]}
+# The experts' weights asked of L2 in bulk as soon as their addresses are known (the
+# twentieth session's bulk-copy rings were slower than the register loads; do prefetches help
+# the loads instead?). gate_up: one thread prefetches the task's gate and up ranges (two
+# contiguous (hi - lo) x H blocks) in 16 KB pieces once the slot's expert is found; down: the
+# thread that loads an id prefetches that expert's rows [lo, hi) (one contiguous block).
+# Same results.
+GU_PAIRS = "  // 2. the pairs that chose it (none for an unused slot: expert -1; no early return, which\n"
+PF_PIECES = (
+    "    for (unsigned o = 0; o < bytes; o += 16384u) {{\n"
+    "      const unsigned n = min(16384u, bytes - o);\n"
+    "{body}"
+    "    }}\n")
+PATCHES["moe_gu_pf"] = {"moe_gate_up/sm90.cuh": [(GU_PAIRS, (
+    "  if (expert >= 0 && tid == 32) {  // probe moe_gu_pf\n"
+    "    int plo, phi;\n"
+    "    dev::split_bounds(I, T, kAlign, tile, plo, phi);\n"
+    "    const char* pg = reinterpret_cast<const char*>(\n"
+    "        weight + (long long)expert * 2 * I * H + (long long)plo * H);\n"
+    "    const long long pup = (long long)I * H * 2;\n"
+    "    const unsigned bytes = (unsigned)((phi - plo) * H * 2);\n"
+    + PF_PIECES.format(body="      mpk::ptx::prefetch_l2_bulk(pg + o, n);\n"
+                            "      mpk::ptx::prefetch_l2_bulk(pg + pup + o, n);\n")
+    + "  }\n" + GU_PAIRS))]}
+DOWN_IDS = "    ws[i] = dev::ld_act_bf16f(gws + i);\n  }\n"
+PATCHES["moe_down_pf"] = {"moe_down/sm90.cuh": [(DOWN_IDS, (
+    "    ws[i] = dev::ld_act_bf16f(gws + i);\n"
+    "    const int pe = ids[i];  // probe moe_down_pf\n"
+    "    if (0 <= pe && pe < E && hi > lo) {\n"
+    "    const char* pw = reinterpret_cast<const char*>(weight + ((long long)pe * H + lo) * I);\n"
+    "    const unsigned bytes = (unsigned)((hi - lo) * I * 2);\n"
+    + PF_PIECES.format(body="      mpk::ptx::prefetch_l2_bulk(pw + o, n);\n")
+    + "    }\n  }\n"))]}
+PATCHES["moe_pf"] = {**PATCHES["moe_gu_pf"], **PATCHES["moe_down_pf"]}
 RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "attn_nokv", "attn_l2pf": "attn_l2pf", "attn_m_scores": "attn_m_scores", "attn_m_block": "attn_m_block", "attn_m_loop": "attn_m_loop", "lin_m_allwalked": "lin_m_allwalked", "lin_e_done": "lin_e_done", "lin_e_finished": "lin_e_finished", "attn_m_polled": "attn_m_polled", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
         "sparse_timer": "sparse_timer",
         "no_loader_no_units": "no_loader_no_units",
@@ -314,7 +349,8 @@ RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "
         "nanosleep": "nanosleep", "hint": "hint",
         "relaxed_poll": "relaxed_poll", "no_loader": "no_loader", "pagewait": "pagewait1", "no_mma": "no_mma", "no_wload": "no_wload",
         "no_units": "no_units", "warp_release": "warp_release",
-        "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "moe_down_resid_first": "moe_down_resid_first", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "no_aload_walk_cycles": "no_aload_walk_cycles", "no_wload_walk_cycles": "no_wload_walk_cycles", "epi_cycles": "epi_cycles", "moe_inflight2x": "moe_inflight2x"}
+        "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "moe_down_resid_first": "moe_down_resid_first", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "no_aload_walk_cycles": "no_aload_walk_cycles", "no_wload_walk_cycles": "no_wload_walk_cycles", "epi_cycles": "epi_cycles", "moe_inflight2x": "moe_inflight2x",
+        "moe_gu_pf": "moe_gu_pf", "moe_down_pf": "moe_down_pf", "moe_pf": "moe_pf"}
 
 
 @contextmanager
