@@ -147,7 +147,7 @@ def test_router_equal_logits_everywhere() -> None:
     (16, 256, 40, E30, K30, 1, True),     # 16 rows on the same 8 experts: 2 groups of pairs
     (16, 256, 40, 6, 2, 3, False),        # repeated experts across rows, idle slots
     (3, 64, 24, 10, 3, 2, False),         # uneven ranges of the expert width
-    (2, 1280, 40, 12, 4, 3, False),       # rows of two ring chunks, the second partial
+    (2, 1280, 40, 12, 4, 3, False),       # two rounds of a lane's vectors, 2nd partial
 ])
 def test_gate_up(b, h, inter, e, k, tiles, same) -> None:
     g = gen(b * 100 + e + tiles)
@@ -169,7 +169,7 @@ def test_gate_up(b, h, inter, e, k, tiles, same) -> None:
     (16, H30, I30, E30, K30, 64, True, True),    # every row on the same experts
     (16, 256, 40, 6, 2, 5, False, False),
     (3, 64, 24, 10, 3, 3, False, True),          # K = 3: a partial group of slots
-    (2, 320, 1280, 12, 4, 7, False, False),      # rows of two ring chunks, the second partial
+    (2, 320, 1280, 12, 4, 7, False, False),      # two rounds of a lane's vectors, 2nd partial
 ])
 def test_down(b, h, inter, e, k, tasks, same, in_place) -> None:
     g = gen(b * 100 + e + tasks)

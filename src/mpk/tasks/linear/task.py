@@ -47,9 +47,8 @@ EPILOGUES = ("none", "silu_mul", "argmax")
 X_BUDGET_NARROW = 72 * 1024
 X_BUDGET_WIDE = 104 * 1024
 X_PAD = 32  # bf16 elements of padding per staged row (bank spread, see sm90.cuh)
-# cross-warp partial sums, two buffers of WARPS x 144 floats (sm90.cuh kPartWarp: 8 rows of
-# 18, padded against bank conflicts)
-PART_BYTES = 2 * geo.WARPS * 144 * 4
+PART_WARP = 144  # sm90.cuh kPartWarp: a warp's partial sums, 8 rows of 18 (bank padding)
+PART_BYTES = 2 * geo.WARPS * PART_WARP * 4  # cross-warp partial sums, two buffers
 MAX_BATCH = 16
 MAX_NORM_K = PAGE_BYTES // 2
 
