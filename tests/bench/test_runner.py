@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpk.bench.runner import format_table, run_bench, weight_bytes_per_token
+from mpk.bench.runner import (format_table, run_bench, uniform_routing_bytes_per_step,
+                              weight_bytes_per_token)
 from mpk.bench.timing import (floor_ms, percent_of_floor, percentile, read_bandwidth_probe,
                               summarize, time_decode)
 from mpk.errors import UnsupportedError
@@ -45,6 +46,21 @@ def test_bytes_per_token_of_a_moe_model_counts_the_chosen_experts() -> None:
     assert weight_bytes_per_token(cfg) == 2 * (cfg.active_params - untied_embed)
     assert round(weight_bytes_per_token(cfg) / 1e9, 2) == 6.08
     assert weight_bytes_per_token(cfg) < cfg.weight_bytes / 10
+
+
+def test_uniform_routing_bytes_count_the_distinct_experts_of_a_batch() -> None:
+    """At batch 8 the rows of qwen3-30b-a3b choose 128 (1 - (120/128)^8) = 51.6 distinct experts
+    per layer on average, not 8: 43.6 x 48 x 9.44 MB more than at batch 1. Dense models and batch
+    1 read what weight_bytes_per_token says."""
+    cfg = get_preset("qwen3-30b-a3b")
+    assert uniform_routing_bytes_per_step(cfg, 1) == weight_bytes_per_token(cfg)
+    per_expert = 3 * 2048 * 768 * 2
+    extra = 128 * (1 - (120 / 128) ** 8) - 8
+    assert uniform_routing_bytes_per_step(cfg, 8) == round(
+        weight_bytes_per_token(cfg) + 48 * extra * per_expert)
+    assert round(uniform_routing_bytes_per_step(cfg, 8) / 1e9, 1) == 25.8
+    dense = get_preset("qwen3-0.6b")
+    assert uniform_routing_bytes_per_step(dense, 16) == weight_bytes_per_token(dense)
 
 def test_floor_and_percent() -> None:
     assert floor_ms(4e9, 4e12) == pytest.approx(1.0)

@@ -19,6 +19,7 @@ from mpk.bench.timing import (floor_ms, percent_of_floor, read_bandwidth_probe, 
                               time_decode)
 from mpk.models.config import ModelConfig
 from mpk.models.weights import random_weights
+from mpk.tasks.moe_gate_up.task import expected_distinct
 
 BASELINE = "torch.compile"
 MPK = "mpk"
@@ -36,6 +37,22 @@ def weight_bytes_per_token(cfg: ModelConfig, elem_bytes: int = 2) -> int:
     the floor above what either system reads at batch 1."""
     untied_embed = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size
     return (cfg.active_params - untied_embed) * elem_bytes
+
+
+def uniform_routing_bytes_per_step(cfg: ModelConfig, batch: int, elem_bytes: int = 2) -> int:
+    """Weight bytes one decode step of `batch` rows reads when every row routes uniformly: each
+    MoE layer reads the expected number of distinct experts its rows choose (moe_gate_up's
+    expected_distinct) instead of the K of weight_bytes_per_token. Equal to it for dense models
+    and at batch 1. Random weights route nearly uniformly, so this is what the bench's MoE steps
+    read at batch > 1; a trained router is skewed and reads fewer."""
+    base = weight_bytes_per_token(cfg, elem_bytes)
+    if not cfg.is_moe or batch <= 1:
+        return base
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    extra = (expected_distinct(cfg.num_experts, cfg.num_experts_per_tok, batch)
+             - cfg.num_experts_per_tok)
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    return base + round(moe_layers * extra * per_expert * elem_bytes)
 
 
 def bench_prompt(cfg: ModelConfig, batch: int, prompt_len: int, seed: int) -> torch.Tensor:
@@ -90,6 +107,7 @@ def run_bench(cfg: ModelConfig, batch: int = 1, new_tokens: int = 200, seed: int
     bandwidth = read_bandwidth_probe(device)
     nbytes = weight_bytes_per_token(cfg)
     floor = floor_ms(nbytes, bandwidth)
+    routed = uniform_routing_bytes_per_step(cfg, batch)
     systems = {BASELINE: {**_system(base_timing, batch, floor), "compile_s": compile_s,
                           "cudagraph_skips": skips}}
     ratio = None
@@ -102,6 +120,8 @@ def run_bench(cfg: ModelConfig, batch: int = 1, new_tokens: int = 200, seed: int
         "prompt_len": prompt_len, "max_seq": max_seq, "seed": seed, "repeats": repeats,
         "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
         "bytes_per_token": nbytes, "bandwidth_bytes_per_s": bandwidth, "floor_ms": floor,
+        "uniform_routing_bytes_per_step": routed,
+        "uniform_routing_floor_ms": floor_ms(routed, bandwidth),
         "systems": systems, "ratio_baseline_over_mpk": ratio,
         "prompt": prompt[0].tolist(), "baseline_tokens": tokens,
     }
@@ -136,6 +156,12 @@ def format_table(result: dict[str, Any]) -> str:
     notes = [f"weights read per token: {result['bytes_per_token'] / 1e9:.3f} GB; "
              f"read bandwidth (torch.sum, 2 GiB): "
              f"{result['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s"]
+    routed = result.get("uniform_routing_bytes_per_step", result["bytes_per_token"])
+    if routed != result["bytes_per_token"]:
+        notes.append(f"with every row routed uniformly (random weights) a step of batch "
+                     f"{result['batch']} reads {routed / 1e9:.3f} GB: floor "
+                     f"{result['uniform_routing_floor_ms']:.3f} ms (the table's floor counts "
+                     f"only the K experts any batch must read)")
     if result["systems"].get(BASELINE, {}).get("cudagraph_skips"):
         notes.append("WARNING: inductor skipped CUDA graphs for the baseline step (see its log)")
     ratio = result.get("ratio_baseline_over_mpk")

@@ -53,7 +53,65 @@ __device__ __forceinline__ const bf16* slot_row(const Row& r, int j, int n) {
   return 0 <= e && e < r.E ? r.w + ((long long)e * r.H + n) * r.I : nullptr;
 }
 
-// sum_j bf16(bf16(x[b, j] . W[e_j, n]) * w_j) in fp32, slot order (every lane returns it).
+// Slot j0 + jj's weights of output n: lane `lane`'s kV vectors (zeros past the slots or the row,
+// or for an id outside [0, E)).
+__device__ __forceinline__ void load_slot(const Row& r, int j, int c, int n, int lane,
+                                          uint4 (&w)[kV]) {
+  const int vpr = r.I / 8;
+  const bf16* row = slot_row(r, j, n);
+#pragma unroll
+  for (int i = 0; i < kV; ++i) {
+    const int v = c + 32 * i + lane;
+    w[i] = row != nullptr && v < vpr ? dev::ld_weight_v4(row + v * 8) : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+// One slot group's weights of output n, all issued before any is used.
+__device__ __forceinline__ void load_group(const Row& r, int j0, int c, int n, int lane,
+                                           uint4 (&w)[kJ][kV]) {
+#pragma unroll
+  for (int jj = 0; jj < kJ; ++jj) load_slot(r, j0 + jj, c, n, lane, w[jj]);
+}
+
+// The lane's part of slot j's dot product: acc += x[b, j] . w over its vectors. Branch-free: a
+// vector past the slots or the row is a zero x (and a zero weight) whose products add +0 to a
+// sum that starts at +0 (a skipped block per vector made each one a convergence region, as
+// moe_gate_up's pair loop had: perf-log, thirteenth session).
+__device__ __forceinline__ void dot_slot(const Row& r, int j, int c, int lane, const uint4 (&w)[kV],
+                                         float& acc) {
+  const int vpr = r.I / 8;
+#pragma unroll
+  for (int i = 0; i < kV; ++i) {
+    const int v = c + 32 * i + lane;
+    const bool ok = j < r.K && v < vpr;
+    const uint4 xv = ok ? dev::lds_v4(r.xs + (unsigned)(j * r.I + v * 8) * 2u)
+                        : make_uint4(0u, 0u, 0u, 0u);
+    float fx[8], fw[8];
+    dev::unpack8(xv, fx);
+    dev::unpack8(w[i], fw);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc = fmaf(fx[e], fw[e], acc);
+  }
+}
+__device__ __forceinline__ void dot_group(const Row& r, int j0, int c, int lane,
+                                          const uint4 (&w)[kJ][kV], float (&acc)[kJ]) {
+#pragma unroll
+  for (int jj = 0; jj < kJ; ++jj) dot_slot(r, j0 + jj, c, lane, w[jj], acc[jj]);
+}
+
+// total += sum over the group's slots of bf16(bf16(dot) * w_j), in slot order (warp sums).
+__device__ __forceinline__ void add_group(const Row& r, int j0, int n, const float (&acc)[kJ],
+                                          float& total) {
+#pragma unroll
+  for (int jj = 0; jj < kJ; ++jj) {
+    if (slot_row(r, j0 + jj, n) != nullptr) {  // warp-uniform
+      const float down = dev::round_bf16(dev::warp_sum(acc[jj]));
+      total = __fadd_rn(total, dev::round_bf16(__fmul_rn(down, r.ws[j0 + jj])));
+    }
+  }
+}
+
+// sum_j bf16(bf16(x[b, j] . W[e_j, n]) * w_j) in fp32, slot order (every lane returns it):
+// the general path, any K and I (groups of kJ slots, rounds of 32 kV vectors).
 __device__ __forceinline__ float output(const Row& r, int n, int lane) {
   const int vpr = r.I / 8;
   float total = 0.f;
@@ -65,43 +123,31 @@ __device__ __forceinline__ float output(const Row& r, int n, int lane) {
 #pragma unroll 1
     for (int c = 0; c < vpr; c += 32 * kV) {
       uint4 w[kJ][kV];
-#pragma unroll
-      for (int jj = 0; jj < kJ; ++jj) {
-        const bf16* row = slot_row(r, j0 + jj, n);
-#pragma unroll
-        for (int i = 0; i < kV; ++i) {
-          const int v = c + 32 * i + lane;
-          w[jj][i] = row != nullptr && v < vpr ? dev::ld_weight_v4(row + v * 8)
-                                               : make_uint4(0u, 0u, 0u, 0u);
-        }
-      }
-      // Branch-free: a vector past the slots or the row is a zero x (and a zero weight) whose
-      // products add +0 to a sum that starts at +0 (a skipped block per vector made each one a
-      // convergence region, as moe_gate_up's pair loop had: perf-log, thirteenth session).
-#pragma unroll
-      for (int jj = 0; jj < kJ; ++jj)
-#pragma unroll
-        for (int i = 0; i < kV; ++i) {
-          const int v = c + 32 * i + lane;
-          const bool ok = j0 + jj < r.K && v < vpr;
-          const uint4 xv = ok ? dev::lds_v4(r.xs + (unsigned)((j0 + jj) * r.I + v * 8) * 2u)
-                              : make_uint4(0u, 0u, 0u, 0u);
-          float fx[8], fw[8];
-          dev::unpack8(xv, fx);
-          dev::unpack8(w[jj][i], fw);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[jj] = fmaf(fx[e], fw[e], acc[jj]);
-        }
+      load_group(r, j0, c, n, lane, w);
+      dot_group(r, j0, c, lane, w, acc);
     }
-#pragma unroll
-    for (int jj = 0; jj < kJ; ++jj) {
-      if (slot_row(r, j0 + jj, n) != nullptr) {  // warp-uniform
-        const float down = dev::round_bf16(dev::warp_sum(acc[jj]));
-        total = __fadd_rn(total, dev::round_bf16(__fmul_rn(down, r.ws[j0 + jj])));
-      }
-    }
+    add_group(r, j0, n, acc, total);
   }
   return total;
+}
+
+// This warp's outputs n = n0, n0 + kWarps, ... < hi of batch row b. The residuals of its first
+// 32 outputs are loaded first (lane i: output i), so their L2 round trips run under the weight
+// loads instead of after each output's sum. (Also keeping the next output's weights in flight
+// under a sum, 96 registers across the loop, spilled 436 B in the qwen3-30b-a3b build.)
+__device__ __forceinline__ void outputs(const Row& r, const bf16* res, bf16* out, int b, int n0,
+                                        int hi, int lane) {
+  const long long row = (long long)b * r.H;
+  const int own = n0 + kWarps * lane;
+  const float resid_mine = own < hi ? dev::ld_act_bf16f(res + row + own) : 0.f;
+  int i = 0;
+#pragma unroll 1
+  for (int n = n0; n < hi; n += kWarps, ++i) {
+    const float total = output(r, n, lane);
+    const float resid = i < 32 ? __shfl_sync(0xffffffffu, resid_mine, i)
+                               : dev::ld_act_bf16f(res + row + n);
+    if (lane == 0) out[row + n] = dev::to_bf16(__fadd_rn(resid, dev::round_bf16(total)));
+  }
 }
 
 // Batch row b's K activation rows into xs (cp.async, not waited for).
@@ -149,15 +195,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
     mpk::task_sync();  // also publishes ids / ws (first row)
     r.ids = ids + b * K;
     r.ws = ws + b * K;
-#pragma unroll 1
-    for (int n = lo + (tid >> 5); n < hi; n += kWarps) {
-      const float total = output(r, n, lane);
-      if (lane == 0) {
-        const long long off = (long long)b * H + n;
-        const float resid = dev::ld_act_bf16f(res + off);
-        out[off] = dev::to_bf16(__fadd_rn(resid, dev::round_bf16(total)));
-      }
-    }
+    outputs(r, res, out, b, lo + (tid >> 5), hi, lane);
   }
 }
 
