@@ -37,6 +37,7 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
              timing),
   moe_gu_pf, moe_down_pf, moe_pf  the experts' weights prefetched to L2 in bulk as soon as
              their addresses are known (gate_up, down, both; same results),
+  no_loader_moe_pf  moe_pf without the loader's page copies (timing only),
 Per op role: the phase parts, and for pagewait the mean page wait of its linear tasks.
 
   python scripts/probe_model.py --model qwen3-0.6b [--runs none,pagewait] [--json]   # on the GPU
@@ -214,12 +215,12 @@ PATCHES["no_xread"] = {"linear/sm90.cuh": [
 # the loads in flight per lane (kV doubled: more registers, allowed in a probe build).
 GU_LOAD = ("        g[i] = ok ? dev::ld_weight_v4(wg + v * 8) : make_uint4(0u, 0u, 0u, 0u);\n"
            "        u[i] = ok ? dev::ld_weight_v4(wg + up_off + v * 8) : make_uint4(0u, 0u, 0u, 0u);\n")
-DOWN_LOAD = ("          w[jj][i] = row != nullptr && v < vpr ? dev::ld_weight_v4(row + v * 8)\n"
-             "                                               : make_uint4(0u, 0u, 0u, 0u);\n")
+DOWN_LOAD = ("    w[i] = row != nullptr && v < vpr ? dev::ld_weight_v4(row + v * 8) : "
+             "make_uint4(0u, 0u, 0u, 0u);\n")
 PATCHES["moe_noload"] = {
     "moe_gate_up/sm90.cuh": [(GU_LOAD, "        g[i] = make_uint4(v, n, ok, c);\n"
                                        "        u[i] = make_uint4(n, v, c, ok);\n")],
-    "moe_down/sm90.cuh": [(DOWN_LOAD, "          w[jj][i] = make_uint4(v, n, jj, row != nullptr);\n")]}
+    "moe_down/sm90.cuh": [(DOWN_LOAD, "    w[i] = make_uint4(v, n, j, row != nullptr);\n")]}
 # Warp 0's own clock in the linear walk, per task (the WAIT stamp): bits 0-31 the cycles inside
 # walk() (every block, page waits included; 32-bit clock), 48-63 the pages walked. Timing only;
 # the phase parts of linear ops lose their WAIT split.
@@ -342,6 +343,9 @@ PATCHES["moe_down_pf"] = {"moe_down/sm90.cuh": [(DOWN_IDS, (
     + PF_PIECES.format(body="      mpk::ptx::prefetch_l2_bulk(pw + o, n);\n")
     + "    }\n  }\n"))]}
 PATCHES["moe_pf"] = {**PATCHES["moe_gu_pf"], **PATCHES["moe_down_pf"]}
+# Are the prefetches slow because the loader's page copies hold the SM's bulk-copy unit? The
+# same without the loader's copies (timing only: the weight pages hold garbage).
+PATCHES["no_loader_moe_pf"] = {**PATCHES["no_loader"], **PATCHES["moe_pf"]}
 RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "attn_nokv", "attn_l2pf": "attn_l2pf", "attn_m_scores": "attn_m_scores", "attn_m_block": "attn_m_block", "attn_m_loop": "attn_m_loop", "lin_m_allwalked": "lin_m_allwalked", "lin_e_done": "lin_e_done", "lin_e_finished": "lin_e_finished", "attn_m_polled": "attn_m_polled", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
         "sparse_timer": "sparse_timer",
         "no_loader_no_units": "no_loader_no_units",
@@ -350,7 +354,8 @@ RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "
         "relaxed_poll": "relaxed_poll", "no_loader": "no_loader", "pagewait": "pagewait1", "no_mma": "no_mma", "no_wload": "no_wload",
         "no_units": "no_units", "warp_release": "warp_release",
         "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "moe_down_resid_first": "moe_down_resid_first", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "no_aload_walk_cycles": "no_aload_walk_cycles", "no_wload_walk_cycles": "no_wload_walk_cycles", "epi_cycles": "epi_cycles", "moe_inflight2x": "moe_inflight2x",
-        "moe_gu_pf": "moe_gu_pf", "moe_down_pf": "moe_down_pf", "moe_pf": "moe_pf"}
+        "moe_gu_pf": "moe_gu_pf", "moe_down_pf": "moe_down_pf", "moe_pf": "moe_pf",
+        "no_loader_moe_pf": "no_loader_moe_pf"}
 
 
 @contextmanager
