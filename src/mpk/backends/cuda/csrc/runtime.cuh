@@ -292,13 +292,6 @@ __device__ __forceinline__ void drain(Shared& sh, uint32_t seq, long long limit)
     wait_or_trap(ptx::smem_u32(&sh.bars.full[s % NUM_PAGES]), (s / NUM_PAGES) & 1u, limit);
 }
 
-// While the ring is full, the loader asks L2 for the record's next pages (up to kL2Ahead bytes
-// from the page it waits to copy), so their HBM reads run during the wait (an attention phase,
-// an op's epilogue and handoff) instead of after a slot frees; the copy then reads L2. Only when
-// it would block: a page copied at once needs no prefetch. Bounded so that every SM's lookahead
-// (132 x 128 KB) stays well inside the 50 MB L2.
-constexpr uint32_t kL2Ahead = 8u * (uint32_t)PAGE_BYTES;
-
 __device__ __forceinline__ void loader(const Params& p, Shared& sh, uint32_t ring,
                                        int total) {
   const uint64_t policy = ptx::l2_evict_first_policy();
@@ -318,24 +311,12 @@ __device__ __forceinline__ void loader(const Params& p, Shared& sh, uint32_t rin
       sizes[r] = (uint32_t)slot.rec[REC_STREAM_RUNS + REC_RUN_STRIDE * r + 1];
     }
     ptx::mbar_arrive(ptx::smem_u32(&sh.bars.freed[sl]));  // done reading the slot
-    const char* end = src;  // the record's stream is contiguous: its runs' pages in order
-#pragma unroll
-    for (int r = 0; r < REC_MAX_RUNS; ++r) end += (long long)counts[r] * sizes[r];
-    const char* asked = src;  // asked of L2 up to here
 #pragma unroll
     for (int r = 0; r < REC_MAX_RUNS; ++r) {
       for (int c = 0; c < counts[r]; ++c, ++seq) {
         const uint32_t ps = seq % NUM_PAGES, pround = seq / NUM_PAGES;
-        const uint32_t empty = ptx::smem_u32(&sh.bars.empty[ps]);
-        if (asked < end && !ptx::mbar_test_wait(empty, (pround & 1u) ^ 1u)) {
-          const char* stop = end - src > (long long)kL2Ahead ? src + kL2Ahead : end;
-          for (asked = asked > src ? asked : src; asked < stop;) {
-            const uint32_t n = (uint32_t)min((long long)PAGE_BYTES, (long long)(stop - asked));
-            ptx::prefetch_l2_bulk(asked, n);
-            asked += n;
-          }
-        }
-        if (!wait_unless_gone(empty, (pround & 1u) ^ 1u, &sh.consumers_gone))
+        if (!wait_unless_gone(ptx::smem_u32(&sh.bars.empty[ps]), (pround & 1u) ^ 1u,
+                              &sh.consumers_gone))
           return drain(sh, seq, p.timeout_ns);
         const uint32_t full = ptx::smem_u32(&sh.bars.full[ps]);
         ptx::mbar_arrive_expect_tx(full, sizes[r]);
