@@ -33,6 +33,10 @@
 #                                          outputs equal solo runs) on qwen3-0.6b and qwen3-8b, then
 #                                          scripts/bench_serve.py against `mpk serve --backend cuda`
 #                                          (SERVE_MODEL, default qwen3-8b; REQUESTS, default 200)
+#   bash scripts/gpu_check.sh moe          the MoE kernel tests (moe_down's cases, two MoE layers, the
+#                                          tiny model's every buffer), qwen3-30b-a3b's phases and
+#                                          mpk bench, then qwen3-8b's phases with and without the
+#                                          loader (perf-log, twenty-first session: Next 1-2)
 # Tune with MODELS="qwen3-0.6b ..." BATCHES="1 8" TOKENS=200 PYTEST_ARGS=... BUDGET=540;
 # prefill: PREFILL_MODELS, CHUNKS, SERVING_LONG=0 (no long-prompt serving bench); serve:
 # SERVING_MODELS, SERVE_SERVER=0 (no HTTP server bench).
@@ -157,6 +161,15 @@ case $mode in
     step probe_marks 240 bash -c "cd scripts && python3 probe_model.py --model qwen3-0.6b \
       --steps 30 --runs $runs"
     ;;
+  moe)
+    step kernels_moe 200 $PYTEST tests/gpu/test_kernels_moe.py -k "down or two_moe or every_buffer" \
+      || exit $status
+    step probe_moe 120 bash -c "cd scripts && python3 probe_model.py --model qwen3-30b-a3b \
+      --steps 20 --runs none"
+    step bench-qwen3-30b-a3b 120 python3 -m mpk bench --model qwen3-30b-a3b --new-tokens 50
+    TAIL=24 step probe_qwen3-8b 160 bash -c "cd scripts && python3 probe_model.py --model qwen3-8b \
+      --steps 20 --runs none,no_loader"
+    ;;
   attention)
     step kernels_attention 150 $PYTEST tests/gpu/test_kernels_attention.py tests/gpu/test_flags.py \
       || exit $status
@@ -182,7 +195,7 @@ case $mode in
       --requests 32 --max-batch 16 --prompt-len 64:1024 --json
     ;;
   *) echo "unknown mode $mode (use correctness, real, perf, probe, wgmma, tp, serve, runs," \
-       "prefill or attention)"
+       "prefill, attention, marks or moe)"
      exit 2 ;;
 esac
 exit $status

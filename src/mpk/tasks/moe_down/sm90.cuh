@@ -5,7 +5,8 @@
 // Layouts: x [B, K, I], expert_ids and expert_weights [B, K], weight [E, H, I] are whole
 // (operand = tensor start); residual and out [B, H] are addressed from their bases (element
 // (b, n) at + b*H + n). out may be the residual tensor itself: each element is read and then
-// written by the same lane, and only this task's range is touched.
+// written by the same warp (its value reaches the writing lane by a shuffle), and only this
+// task's range is touched.
 // Shared scratch (task.py HEADER_BYTES + one row's K activations): [ids: B*K i32]
 // [weights: B*K f32] ... at HEADER_BYTES: [xs: K x I bf16, batch row b's expert activations].
 //
@@ -13,9 +14,9 @@
 // read), then warp w takes outputs n = lo + w, lo + w + 8, ... For one output the slots are
 // visited in groups of kJ: each lane keeps kJ x kV 16-byte vectors of the chosen experts' rows
 // W[e, n] in flight (weights, read-only path; no stream because the address depends on this
-// step's ids: issue 12), and one fp32 dot per slot; after a group, its slots are rounded,
-// weighted, rounded and added to the running fp32 sum in slot order, so the sum is the
-// reference's. An id outside [0, E) adds nothing.
+// step's ids: issue 12), and one fp32 dot per slot; after a group, its slots' warp sums are
+// taken at once, rounded, weighted, rounded and added to the running fp32 sum in slot order, so
+// the sum is the reference's. An id outside [0, E) adds nothing.
 // Register use stays small (inlined into the all-kinds dispatch switch): kJ x kV vectors and kJ
 // sums, indexed by compile-time constants; outer loops not unrolled.
 #pragma once
@@ -98,13 +99,23 @@ __device__ __forceinline__ void dot_group(const Row& r, int j0, int c, int lane,
   for (int jj = 0; jj < kJ; ++jj) dot_slot(r, j0 + jj, c, lane, w[jj], acc[jj]);
 }
 
-// total += sum over the group's slots of bf16(bf16(dot) * w_j), in slot order (warp sums).
+// total += sum over the group's slots of bf16(bf16(dot) * w_j), in slot order. The kJ warp sums
+// first, with no branch between them, so their shuffles interleave (one warp sum after another,
+// each behind its slot's warp-uniform branch, was a chain of 5 dependent shuffles per slot);
+// then the slots fold in order. Each warp sum adds in the same order as before: same bits.
 __device__ __forceinline__ void add_group(const Row& r, int j0, int n, const float (&acc)[kJ],
                                           float& total) {
+  float dot[kJ];
+#pragma unroll
+  for (int jj = 0; jj < kJ; ++jj) dot[jj] = acc[jj];
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+    for (int jj = 0; jj < kJ; ++jj) dot[jj] += __shfl_xor_sync(0xffffffffu, dot[jj], off);
 #pragma unroll
   for (int jj = 0; jj < kJ; ++jj) {
     if (slot_row(r, j0 + jj, n) != nullptr) {  // warp-uniform
-      const float down = dev::round_bf16(dev::warp_sum(acc[jj]));
+      const float down = dev::round_bf16(dot[jj]);
       total = __fadd_rn(total, dev::round_bf16(__fmul_rn(down, r.ws[j0 + jj])));
     }
   }
