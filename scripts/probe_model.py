@@ -33,8 +33,6 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
   epi_cycles thread 0's clock64 cycles in a linear's last finish_shared: the partials' stores and
              barrier, the cross-warp sums, the stores, then pc.finish() (timing only),
   walk_start WAIT := warp 0's entry into the last block's walk (scripts/phase_spread.py --run),
-  moe_down_resid_first  moe_down's residual loaded before the output's sum (same results,
-             timing),
   moe_gu_pf, moe_down_pf, moe_pf  the experts' weights prefetched to L2 in bulk as soon as
              their addresses are known (gate_up, down, both; same results),
   no_loader_moe_pf  moe_pf without the loader's page copies (timing only),
@@ -298,15 +296,6 @@ NO_WLOAD = PATCHES["no_wload"]["linear/sm90_walk.cuh"][0]
 for _name, _edit in (("no_aload_walk_cycles", NO_ALOAD), ("no_wload_walk_cycles", NO_WLOAD)):
     PATCHES[_name] = {**PATCHES["walk_cycles"], "linear/sm90_walk.cuh": [
         *PATCHES["walk_cycles"]["linear/sm90_walk.cuh"], _edit]}
-# moe_down's residual loaded when an output starts (its L2 round trip under the weight loads)
-# instead of after the output's sum (a dependent round trip per output). Same results.
-DOWN_OUT = ("      const float total = output(r, n, lane);\n      if (lane == 0) {\n"
-            "        const long long off = (long long)b * H + n;\n"
-            "        const float resid = dev::ld_act_bf16f(res + off);\n")
-PATCHES["moe_down_resid_first"] = {"moe_down/sm90.cuh": [(DOWN_OUT, (
-    "      const long long off = (long long)b * H + n;\n"
-    "      const float resid = lane == 0 ? dev::ld_act_bf16f(res + off) : 0.f;\n"
-    "      const float total = output(r, n, lane);\n      if (lane == 0) {\n"))]}
 PATCHES["moe_inflight2x"] = {
     "moe_gate_up/sm90.cuh": [("constexpr int kV = 4;", "constexpr int kV = 8;")],
     "moe_down/sm90.cuh": [("constexpr int kV = 3;", "constexpr int kV = 6;")]}
@@ -353,7 +342,7 @@ RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "
         "nanosleep": "nanosleep", "hint": "hint",
         "relaxed_poll": "relaxed_poll", "no_loader": "no_loader", "pagewait": "pagewait1", "no_mma": "no_mma", "no_wload": "no_wload",
         "no_units": "no_units", "warp_release": "warp_release",
-        "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "moe_down_resid_first": "moe_down_resid_first", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "no_aload_walk_cycles": "no_aload_walk_cycles", "no_wload_walk_cycles": "no_wload_walk_cycles", "epi_cycles": "epi_cycles", "moe_inflight2x": "moe_inflight2x",
+        "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "no_aload_walk_cycles": "no_aload_walk_cycles", "no_wload_walk_cycles": "no_wload_walk_cycles", "epi_cycles": "epi_cycles", "moe_inflight2x": "moe_inflight2x",
         "moe_gu_pf": "moe_gu_pf", "moe_down_pf": "moe_down_pf", "moe_pf": "moe_pf",
         "no_loader_moe_pf": "no_loader_moe_pf"}
 
