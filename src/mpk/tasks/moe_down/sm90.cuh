@@ -54,8 +54,8 @@ __device__ __forceinline__ const bf16* slot_row(const Row& r, int j, int n) {
   return 0 <= e && e < r.E ? r.w + ((long long)e * r.H + n) * r.I : nullptr;
 }
 
-// Slot j0 + jj's weights of output n: lane `lane`'s kV vectors (zeros past the slots or the row,
-// or for an id outside [0, E)).
+// Slot j's weights of output n: lane `lane`'s kV vectors (zeros past the slots or the row, or
+// for an id outside [0, E)).
 __device__ __forceinline__ void load_slot(const Row& r, int j, int c, int n, int lane,
                                           uint4 (&w)[kV]) {
   const int vpr = r.I / 8;
@@ -121,8 +121,8 @@ __device__ __forceinline__ void add_group(const Row& r, int j0, int n, const flo
   }
 }
 
-// sum_j bf16(bf16(x[b, j] . W[e_j, n]) * w_j) in fp32, slot order (every lane returns it):
-// the general path, any K and I (groups of kJ slots, rounds of 32 kV vectors).
+// sum_j bf16(bf16(x[b, j] . W[e_j, n]) * w_j) in fp32, slot order (every lane returns it), in
+// groups of kJ slots and rounds of 32 kV vectors a row.
 __device__ __forceinline__ float output(const Row& r, int n, int lane) {
   const int vpr = r.I / 8;
   float total = 0.f;
