@@ -97,6 +97,16 @@ def test_format_table_renders_recorded_result() -> None:
     skipped = {**RECORDED, "systems": {"torch.compile": {**systems["torch.compile"],
                                                          "cudagraph_skips": 1}}}
     assert "skipped CUDA graphs" in format_table(skipped)
+    assert "routed uniformly" not in format_table(RECORDED)  # a dense model: no such line
+
+
+def test_format_table_names_the_uniform_routing_floor_of_a_moe_batch() -> None:
+    """A MoE step of 8 rows: the note gives the uniform-routing bytes and floor beside the
+    table's K-expert floor."""
+    moe = {**RECORDED, "batch": 8, "bytes_per_token": 6.084e9,
+           "uniform_routing_bytes_per_step": 25.8e9, "uniform_routing_floor_ms": 6.324}
+    text = format_table(moe)
+    assert "a step of batch 8 reads 25.800 GB: floor 6.324 ms" in text, text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
