@@ -34,9 +34,11 @@
 #                                          scripts/bench_serve.py against `mpk serve --backend cuda`
 #                                          (SERVE_MODEL, default qwen3-8b; REQUESTS, default 200)
 #   bash scripts/gpu_check.sh moe          the MoE kernel tests (moe_down's cases, two MoE layers, the
-#                                          tiny model's every buffer), qwen3-30b-a3b's phases and
-#                                          mpk bench, then qwen3-8b's phases with and without the
-#                                          loader (perf-log, twenty-first session: Next 1-2)
+#                                          tiny model's every buffer), scripts/prefetch_bench.cu
+#                                          (what a bulk L2 prefetch costs beside bulk copies and
+#                                          register loads), qwen3-30b-a3b's phases and mpk bench,
+#                                          then qwen3-8b's phases with and without the loader
+#                                          (perf-log, twenty-first session: Next 0-1)
 # Tune with MODELS="qwen3-0.6b ..." BATCHES="1 8" TOKENS=200 PYTEST_ARGS=... BUDGET=540;
 # prefill: PREFILL_MODELS, CHUNKS, SERVING_LONG=0 (no long-prompt serving bench); serve:
 # SERVING_MODELS, SERVE_SERVER=0 (no HTTP server bench).
@@ -164,6 +166,8 @@ case $mode in
   moe)
     step kernels_moe 200 $PYTEST tests/gpu/test_kernels_moe.py -k "down or two_moe or every_buffer" \
       || exit $status
+    step prefetch_bench 60 bash -c "nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/pfb \
+      scripts/prefetch_bench.cu && /tmp/pfb 4 8 8"
     step probe_moe 120 bash -c "cd scripts && python3 probe_model.py --model qwen3-30b-a3b \
       --steps 20 --runs none"
     step bench-qwen3-30b-a3b 120 python3 -m mpk bench --model qwen3-30b-a3b --new-tokens 50
