@@ -25,46 +25,17 @@
 #include <cstdlib>
 #include <cuda_runtime.h>
 
+#include "../src/mpk/backends/cuda/csrc/ptx.cuh"       // the runtime's own PTX wrappers
+#include "../src/mpk/tasks/common/memory.cuh"           // the experts' weight loads
+
+namespace ptx = mpk::ptx;
+
 constexpr int THREADS = 256 + 32;  // consumers, then the loader warp
 constexpr int PAGE = 16384, MAX_PAGES = 12;
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile("{ .reg .pred p; mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;"
-               " selp.u32 %0, 1, 0, p; }" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  return done != 0;
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  while (!mbar_test(bar, parity)) {
+__device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) {
+  while (!ptx::mbar_try_wait(bar, parity)) {
   }
-}
-__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes,
-                                         uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ uint4 ld_nc(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
 }
 
 struct Out {
@@ -75,7 +46,7 @@ struct Out {
 
 __device__ __forceinline__ void timed_prefetch(const char* p, Out& o) {
   const long long c0 = clock64();
-  prefetch_l2(p, PAGE);
+  ptx::prefetch_l2_bulk(p, PAGE);
   o.pf_cycles += clock64() - c0;
   ++o.pf_count;
 }
@@ -89,10 +60,10 @@ bench(const char* buf, size_t per_cta, int pages, int ahead, int mode, Out* out)
   const int n = (int)(per_cta / PAGE);
   if (tid == 0)
     for (int i = 0; i < pages; ++i) {
-      mbar_init(smem_u32(&full[i]), 1);
-      mbar_init(smem_u32(&empty[i]), 256);
+      ptx::mbar_init(ptx::smem_u32(&full[i]), 1);
+      ptx::mbar_init(ptx::smem_u32(&empty[i]), 256);
     }
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  ptx::mbar_init_fence();
   __syncthreads();
   Out o{0, 0, 0, 0};
   unsigned long long t0;
@@ -106,32 +77,33 @@ bench(const char* buf, size_t per_cta, int pages, int ahead, int mode, Out* out)
         const char* pg = src + (size_t)p * PAGE;
         uint4 v[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) v[i] = ld_nc(pg + (tid + 256 * i) * 16);
+        for (int i = 0; i < 4; ++i) v[i] = mpk::dev::ld_weight_v4(pg + (tid + 256 * i) * 16);
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc ^= v[i].x ^ v[i].w;
       }
       o.sink = acc;
     }
   } else if (warp == 8) {  // the loader
+    const uint64_t policy = ptx::l2_evict_first_policy();  // as the loader's copies
     if ((tid & 31) == 0)
       for (int p = 0; p < n; ++p) {
         const int s = p % pages;
-        const uint32_t e = smem_u32(&empty[s]), parity = ((p / pages) & 1) ^ 1;
-        const bool free_now = mbar_test(e, parity);
+        const uint32_t e = ptx::smem_u32(&empty[s]), parity = ((p / pages) & 1) ^ 1;
+        const bool free_now = ptx::mbar_test_wait(e, parity);
         if ((mode == 1 || (mode == 2 && !free_now)) && p + ahead < n)
           timed_prefetch(src + (size_t)(p + ahead) * PAGE, o);
-        mbar_wait(e, parity);
-        const uint32_t f = smem_u32(&full[s]);
-        mbar_expect_tx(f, PAGE);
-        bulk_g2s(smem_u32(ring + s * PAGE), src + (size_t)p * PAGE, PAGE, f);
+        wait(e, parity);
+        const uint32_t f = ptx::smem_u32(&full[s]);
+        ptx::mbar_arrive_expect_tx(f, PAGE);
+        ptx::bulk_copy_g2s(ptx::smem_u32(ring + s * PAGE), src + (size_t)p * PAGE, PAGE, f, policy);
       }
   } else {  // consumers: wait for each page, read a word, release it
     unsigned acc = 0;
     for (int p = 0; p < n; ++p) {
       const int s = p % pages;
-      mbar_wait(smem_u32(&full[s]), (p / pages) & 1);
+      wait(ptx::smem_u32(&full[s]), (p / pages) & 1);
       acc ^= reinterpret_cast<const unsigned*>(ring + s * PAGE)[tid];
-      mbar_arrive(smem_u32(&empty[s]));
+      ptx::mbar_arrive(ptx::smem_u32(&empty[s]));
     }
     o.sink = acc;
   }
