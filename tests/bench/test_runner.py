@@ -62,6 +62,7 @@ def test_uniform_routing_bytes_count_the_distinct_experts_of_a_batch() -> None:
     dense = get_preset("qwen3-0.6b")
     assert uniform_routing_bytes_per_step(dense, 16) == weight_bytes_per_token(dense)
 
+
 def test_floor_and_percent() -> None:
     assert floor_ms(4e9, 4e12) == pytest.approx(1.0)
     assert floor_ms(1.19e9, 4.0e12) == pytest.approx(0.2975)

@@ -48,11 +48,9 @@ def uniform_routing_bytes_per_step(cfg: ModelConfig, batch: int, elem_bytes: int
     base = weight_bytes_per_token(cfg, elem_bytes)
     if not cfg.is_moe or batch <= 1:
         return base
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     extra = (expected_distinct(cfg.num_experts, cfg.num_experts_per_tok, batch)
              - cfg.num_experts_per_tok)
-    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    return base + round(moe_layers * extra * per_expert * elem_bytes)
+    return base + round(cfg.num_moe_layers * extra * cfg.expert_params * elem_bytes)
 
 
 def bench_prompt(cfg: ModelConfig, batch: int, prompt_len: int, seed: int) -> torch.Tensor:

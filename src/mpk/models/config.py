@@ -109,6 +109,15 @@ class ModelConfig:
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one expert (its gate, up and down projections); 0 for dense models."""
+        return 3 * self.hidden_size * self.moe_intermediate_size if self.is_moe else 0
+
+    @property
     def num_params(self) -> int:
         """Parameter count including embeddings (counted once when tied) and norms."""
         return self._params(active=False)
@@ -126,7 +135,7 @@ class ModelConfig:
         attn = h * q + 2 * h * kv + q * h + (2 * d if self.qk_norm else 0)
         dense = 3 * h * self.intermediate_size
         experts = self.num_experts_per_tok if active else self.num_experts
-        sparse = self.num_experts * h + experts * 3 * h * self.moe_intermediate_size
+        sparse = self.num_experts * h + experts * self.expert_params
         mlps = sum(sparse if self.is_moe_layer(i) else dense for i in range(self.num_layers))
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return embed + self.num_layers * (attn + 2 * h) + mlps + h
