@@ -74,7 +74,7 @@ PATCHES["no_units"] = {"linear/sm90_walk.cuh": [
      "                 dev::lds_v4(xh + j * xstep));\n", "        ;\n")]}
 # WAIT := when the loader issued the record's last page copy (the consumers' own WAIT stamp is
 # dropped): RUN - WAIT is how far ahead of the task the loader was.
-RECORD_END = "        src += sizes[r];\n      }\n    }\n"
+RECORD_END = "          ++pround;\n        }\n      }\n    }\n"
 PATCHES["loader_lead"] = {"runtime.cuh": [
     (RECORD_END, RECORD_END + "    sh.slot[sl].t_wait = ptx::globaltimer();\n"),
     ("      slot.t_wait = t_wait;\n", "")]}
@@ -92,7 +92,7 @@ ISSUE = ("        ptx::mbar_arrive_expect_tx(full, sizes[r]);\n"
 PATCHES["no_loader"] = {"runtime.cuh": [(ISSUE, "        ptx::mbar_arrive(full);\n")]}
 # Lane 0 of each consumer warp releases a weight page after a warp sync (the empty barrier
 # counts warps), instead of every consumer thread arriving itself (timing: same results).
-RELEASE = "    ptx::mbar_arrive(full + 8u * (NUM_PAGES + slot()));\n"
+RELEASE = "    ptx::mbar_arrive(full + 8u * (MAX_PAGES + slot()));\n"
 PATCHES["warp_release"] = {
     "task_args.cuh": [(RELEASE, "    __syncwarp();\n    if ((threadIdx.x & 31) == 0) " + RELEASE.lstrip())],
     "runtime.cuh": [("ptx::mbar_init(ptx::smem_u32(&sh.bars.empty[i]), NUM_THREADS);",
