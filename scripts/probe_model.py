@@ -58,7 +58,8 @@ from probe_phases import FINISH, PATCHES, UNIT_MMA, UNIT_W, UNIT_X, include_dir,
 from probe_stream import page_config
 
 from mpk.backends.cuda import codegen
-from mpk.compiler import cache
+from mpk.compiler import cache, lower
+from mpk.compiler.schedule import CostModel
 from mpk.models.config import get_preset
 from mpk.profile.phases import role_of
 
@@ -348,20 +349,25 @@ RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "
 
 
 @contextmanager
-def own_plan_cache(page_bytes: int) -> Iterator[None]:
-    """Plans compiled under another page size go to a cache of their own: the shared plan
-    cache's key does not see it, so a later default run would load a plan whose weight streams
-    are cut in the probe's pages."""
-    if page_bytes == codegen.PAGE_BYTES:
+def own_plan_cache(page_bytes: int, large_scratch: int | None) -> Iterator[None]:
+    """Plans compiled under another page size or scheduler go to a cache of their own: the
+    shared plan cache's key sees neither, so a later default run would load the probe's plan.
+    `large_scratch`: the scheduler's CostModel.large_scratch_bytes for this run (None: the
+    product's)."""
+    if page_bytes == codegen.PAGE_BYTES and large_scratch is None:
         yield
         return
-    original = cache.compile_cached
+    original, defaults = cache.compile_cached, dict(lower.compile_graph.__kwdefaults__)
+    if large_scratch is not None:
+        lower.compile_graph.__kwdefaults__["cost_model"] = CostModel(
+            large_scratch_bytes=large_scratch)
     with tempfile.TemporaryDirectory() as root:
         cache.compile_cached = functools.partial(original, cache_root=Path(root))
         try:
             yield
         finally:
             cache.compile_cached = original
+            lower.compile_graph.__kwdefaults__.update(defaults)
 
 
 def linear_roles(tl) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[no-untyped-def]
@@ -370,12 +376,13 @@ def linear_roles(tl) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[no-untype
     return roles, tl.kind_names() == "linear"
 
 
-def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batch: int) -> dict:
+def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batch: int,
+        large_scratch: int | None = None) -> dict:
     from mpk.profile.run import profile_model
 
     patch = RUNS[name]
     with (include_dir(patch) as inc, probe_build(patch), tempfile.TemporaryDirectory() as out,
-          own_plan_cache(page_bytes),
+          own_plan_cache(page_bytes, large_scratch),
           page_config(page_bytes, max_pages)):
         res = profile_model(get_preset(model), steps=steps, batch=batch, out_dir=out, repeats=3,
                             measure_bandwidth=False, extra_includes=(inc,))
@@ -435,6 +442,9 @@ def main() -> int:
     p.add_argument("--all", action="store_true", help="every run (with --dry-run: every patch)")
     p.add_argument("--page-bytes", type=int, default=codegen.PAGE_BYTES)
     p.add_argument("--max-pages", type=int, default=codegen.MAX_PAGES)
+    p.add_argument("--large-scratch", type=int, default=None,
+                   help="the scheduler's CostModel.large_scratch_bytes (tasks over it share few "
+                        "SMs); 1000000000 spreads attention over every SM as before")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -448,7 +458,8 @@ def main() -> int:
         return 0
     rows = []
     for name in names:
-        row = run(args.model, name, args.steps, args.page_bytes, args.max_pages, args.batch)
+        row = run(args.model, name, args.steps, args.page_bytes, args.max_pages, args.batch,
+                  args.large_scratch)
         rows.append(row)
         print(f"{name}: {row['ms_per_token']:.3f} ms/token", flush=True)
         for role, parts in row["phases"].items():
