@@ -60,6 +60,7 @@ from probe_stream import page_config
 from mpk.backends.cuda import codegen
 from mpk.compiler import cache, lower
 from mpk.compiler.schedule import CostModel
+from mpk.tasks.attention.task import Attention
 from mpk.models.config import get_preset
 from mpk.profile.phases import role_of
 
@@ -349,18 +350,23 @@ RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "
 
 
 @contextmanager
-def own_plan_cache(page_bytes: int, large_scratch: int | None) -> Iterator[None]:
+def own_plan_cache(page_bytes: int, large_scratch: int | None,
+                   attention_scratch: int | None) -> Iterator[None]:
     """Plans compiled under another page size or scheduler go to a cache of their own: the
     shared plan cache's key sees neither, so a later default run would load the probe's plan.
     `large_scratch`: the scheduler's CostModel.large_scratch_bytes for this run (None: the
-    product's)."""
-    if page_bytes == codegen.PAGE_BYTES and large_scratch is None:
+    product's); `attention_scratch`: what attention declares (its kernel still uses its real
+    layout, over the weight pages of a deeper ring: timing only)."""
+    if page_bytes == codegen.PAGE_BYTES and large_scratch is None and attention_scratch is None:
         yield
         return
     original, defaults = cache.compile_cached, dict(lower.compile_graph.__kwdefaults__)
+    declared = Attention.scratch_bytes
     if large_scratch is not None:
         lower.compile_graph.__kwdefaults__["cost_model"] = CostModel(
             large_scratch_bytes=large_scratch)
+    if attention_scratch is not None:  # attention then writes over weight pages: timing only
+        Attention.scratch_bytes = lambda self, op: attention_scratch
     with tempfile.TemporaryDirectory() as root:
         cache.compile_cached = functools.partial(original, cache_root=Path(root))
         try:
@@ -368,6 +374,7 @@ def own_plan_cache(page_bytes: int, large_scratch: int | None) -> Iterator[None]
         finally:
             cache.compile_cached = original
             lower.compile_graph.__kwdefaults__.update(defaults)
+            Attention.scratch_bytes = declared
 
 
 def linear_roles(tl) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[no-untyped-def]
@@ -377,12 +384,12 @@ def linear_roles(tl) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[no-untype
 
 
 def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batch: int,
-        large_scratch: int | None = None) -> dict:
+        large_scratch: int | None = None, attention_scratch: int | None = None) -> dict:
     from mpk.profile.run import profile_model
 
     patch = RUNS[name]
     with (include_dir(patch) as inc, probe_build(patch), tempfile.TemporaryDirectory() as out,
-          own_plan_cache(page_bytes, large_scratch),
+          own_plan_cache(page_bytes, large_scratch, attention_scratch),
           page_config(page_bytes, max_pages)):
         res = profile_model(get_preset(model), steps=steps, batch=batch, out_dir=out, repeats=3,
                             measure_bandwidth=False, extra_includes=(inc,))
@@ -445,6 +452,9 @@ def main() -> int:
     p.add_argument("--large-scratch", type=int, default=None,
                    help="the scheduler's CostModel.large_scratch_bytes (tasks over it share few "
                         "SMs); 1000000000 spreads attention over every SM as before")
+    p.add_argument("--attention-scratch", type=int, default=None,
+                   help="what attention declares as its scratch (timing only: a smaller value "
+                        "gives every SM a deeper ring, which attention's real layout overwrites)")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -459,7 +469,7 @@ def main() -> int:
     rows = []
     for name in names:
         row = run(args.model, name, args.steps, args.page_bytes, args.max_pages, args.batch,
-                  args.large_scratch)
+                  args.large_scratch, args.attention_scratch)
         rows.append(row)
         print(f"{name}: {row['ms_per_token']:.3f} ms/token", flush=True)
         for role, parts in row["phases"].items():
