@@ -58,9 +58,7 @@ from probe_phases import FINISH, PATCHES, UNIT_MMA, UNIT_W, UNIT_X, include_dir,
 from probe_stream import page_config
 
 from mpk.backends.cuda import codegen
-from mpk.compiler import cache, lower
-from mpk.compiler.schedule import CostModel
-from mpk.tasks.attention.task import Attention
+from mpk.compiler import cache
 from mpk.models.config import get_preset
 from mpk.profile.phases import role_of
 
@@ -76,7 +74,7 @@ PATCHES["no_units"] = {"linear/sm90_walk.cuh": [
      "                 dev::lds_v4(xh + j * xstep));\n", "        ;\n")]}
 # WAIT := when the loader issued the record's last page copy (the consumers' own WAIT stamp is
 # dropped): RUN - WAIT is how far ahead of the task the loader was.
-RECORD_END = "          ++pround;\n        }\n      }\n    }\n"
+RECORD_END = "        src += sizes[r];\n      }\n    }\n"
 PATCHES["loader_lead"] = {"runtime.cuh": [
     (RECORD_END, RECORD_END + "    sh.slot[sl].t_wait = ptx::globaltimer();\n"),
     ("      slot.t_wait = t_wait;\n", "")]}
@@ -94,7 +92,7 @@ ISSUE = ("        ptx::mbar_arrive_expect_tx(full, sizes[r]);\n"
 PATCHES["no_loader"] = {"runtime.cuh": [(ISSUE, "        ptx::mbar_arrive(full);\n")]}
 # Lane 0 of each consumer warp releases a weight page after a warp sync (the empty barrier
 # counts warps), instead of every consumer thread arriving itself (timing: same results).
-RELEASE = "    ptx::mbar_arrive(full + 8u * (MAX_PAGES + slot()));\n"
+RELEASE = "    ptx::mbar_arrive(full + 8u * (NUM_PAGES + slot()));\n"
 PATCHES["warp_release"] = {
     "task_args.cuh": [(RELEASE, "    __syncwarp();\n    if ((threadIdx.x & 31) == 0) " + RELEASE.lstrip())],
     "runtime.cuh": [("ptx::mbar_init(ptx::smem_u32(&sh.bars.empty[i]), NUM_THREADS);",
@@ -350,31 +348,20 @@ RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "
 
 
 @contextmanager
-def own_plan_cache(page_bytes: int, large_scratch: int | None,
-                   attention_scratch: int | None) -> Iterator[None]:
-    """Plans compiled under another page size or scheduler go to a cache of their own: the
-    shared plan cache's key sees neither, so a later default run would load the probe's plan.
-    `large_scratch`: the scheduler's CostModel.large_scratch_bytes for this run (None: the
-    product's); `attention_scratch`: what attention declares (its kernel still uses its real
-    layout, over the weight pages of a deeper ring: timing only)."""
-    if page_bytes == codegen.PAGE_BYTES and large_scratch is None and attention_scratch is None:
+def own_plan_cache(page_bytes: int) -> Iterator[None]:
+    """Plans compiled under another page size go to a cache of their own: the shared plan
+    cache's key does not see it, so a later default run would load a plan whose weight streams
+    are cut in the probe's pages."""
+    if page_bytes == codegen.PAGE_BYTES:
         yield
         return
-    original, defaults = cache.compile_cached, dict(lower.compile_graph.__kwdefaults__)
-    declared = Attention.scratch_bytes
-    if large_scratch is not None:
-        lower.compile_graph.__kwdefaults__["cost_model"] = CostModel(
-            large_scratch_bytes=large_scratch)
-    if attention_scratch is not None:  # attention then writes over weight pages: timing only
-        Attention.scratch_bytes = lambda self, op: attention_scratch
+    original = cache.compile_cached
     with tempfile.TemporaryDirectory() as root:
         cache.compile_cached = functools.partial(original, cache_root=Path(root))
         try:
             yield
         finally:
             cache.compile_cached = original
-            lower.compile_graph.__kwdefaults__.update(defaults)
-            Attention.scratch_bytes = declared
 
 
 def linear_roles(tl) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[no-untyped-def]
@@ -383,13 +370,12 @@ def linear_roles(tl) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[no-untype
     return roles, tl.kind_names() == "linear"
 
 
-def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batch: int,
-        large_scratch: int | None = None, attention_scratch: int | None = None) -> dict:
+def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batch: int) -> dict:
     from mpk.profile.run import profile_model
 
     patch = RUNS[name]
     with (include_dir(patch) as inc, probe_build(patch), tempfile.TemporaryDirectory() as out,
-          own_plan_cache(page_bytes, large_scratch, attention_scratch),
+          own_plan_cache(page_bytes),
           page_config(page_bytes, max_pages)):
         res = profile_model(get_preset(model), steps=steps, batch=batch, out_dir=out, repeats=3,
                             measure_bandwidth=False, extra_includes=(inc,))
@@ -449,12 +435,6 @@ def main() -> int:
     p.add_argument("--all", action="store_true", help="every run (with --dry-run: every patch)")
     p.add_argument("--page-bytes", type=int, default=codegen.PAGE_BYTES)
     p.add_argument("--max-pages", type=int, default=codegen.MAX_PAGES)
-    p.add_argument("--large-scratch", type=int, default=None,
-                   help="the scheduler's CostModel.large_scratch_bytes (tasks over it share few "
-                        "SMs); 1000000000 spreads attention over every SM as before")
-    p.add_argument("--attention-scratch", type=int, default=None,
-                   help="what attention declares as its scratch (timing only: a smaller value "
-                        "gives every SM a deeper ring, which attention's real layout overwrites)")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -468,8 +448,7 @@ def main() -> int:
         return 0
     rows = []
     for name in names:
-        row = run(args.model, name, args.steps, args.page_bytes, args.max_pages, args.batch,
-                  args.large_scratch, args.attention_scratch)
+        row = run(args.model, name, args.steps, args.page_bytes, args.max_pages, args.batch)
         rows.append(row)
         print(f"{name}: {row['ms_per_token']:.3f} ms/token", flush=True)
         for role, parts in row["phases"].items():

@@ -76,12 +76,12 @@ PAGE_WAIT = """    if (!ptx::mbar_try_wait(bar, parity)) {
     }
 """
 LOADED_WAIT = ("    if (!wait_unless_gone(ptx::smem_u32(&sh.bars.loaded[sl]), round & 1u, "
-               "&sh.consumers_gone))\n      return drain(sh, seq, ring_pages, p.timeout_ns);\n")
+               "&sh.consumers_gone))\n      return drain(sh, seq, p.timeout_ns);\n")
 EMPTY_WAIT = "        if (!wait_unless_gone(ptx::smem_u32(&sh.bars.empty[ps])"
-EMPTY_RET = "                              &sh.consumers_gone))\n          return drain(sh, seq, ring_pages, p.timeout_ns);\n"
+EMPTY_RET = "                              &sh.consumers_gone))\n          return drain(sh, seq, p.timeout_ns);\n"
 FREED = "    ptx::mbar_arrive(ptx::smem_u32(&sh.bars.freed[sl]));  // done reading the slot\n"
 COPY = "        ptx::bulk_copy_g2s(ring + ps * (uint32_t)PAGE_BYTES, src, sizes[r], full, policy);\n"
-RECORD_END = "          ++pround;\n        }\n      }\n    }\n"
+RECORD_END = "        src += sizes[r];\n      }\n    }\n"
 LOADER_ROW = """#ifdef MPK_PROFILE
     if (p.profile != nullptr) {
       unsigned long long* row = p.profile + (((long long)pstep * gridDim.x + blockIdx.x) *

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 
 from mpk.backends.cuda import codegen
-from mpk.compiler import record
 from mpk.compiler.lower import compile_graph
 from mpk.graph.graph import DEFAULT_NUM_SMS
 from mpk.models.builder import DecodeShape, build_graph
@@ -21,10 +20,10 @@ from mpk.tasks.linear.task import (ACC_BUDGET, MAX_BATCH, chunk_k, min_tasks, x_
 def test_the_largest_batch_keeps_enough_weight_pages(model: str) -> None:
     plan = compile_graph(build_graph(get_preset(model), DecodeShape(batch=MAX_BATCH)),
                          DEFAULT_NUM_SMS)
-    # ring_pages raises UnsupportedError below MIN_PAGES on any SM (what the runtime needs; the
-    # page probe streamed as fast with 4 pages as with 11, docs/perf-log.md).
-    pages = codegen.ring_pages(plan)
-    assert pages.min() >= codegen.MIN_PAGES, (model, plan.scratch_bytes, pages.min())
+    # num_pages raises UnsupportedError below MIN_PAGES (what the runtime needs; the page probe
+    # streamed as fast with 4 pages as with 11, docs/perf-log.md).
+    pages = codegen.num_pages(plan.scratch_bytes)
+    assert pages >= codegen.MIN_PAGES, (model, plan.scratch_bytes, pages)
 
 
 def test_min_tasks_caps_the_sums_of_a_chunked_input() -> None:
@@ -53,23 +52,3 @@ def test_batch_16_stages_a_k_of_3072_in_one_chunk() -> None:
     assert chunk_k(16, 3072) == 3072
     assert chunk_k(16, 4096) < 4096
     assert chunk_k(8, 4096) == 4096
-
-
-@pytest.mark.parametrize("model,batch", [("qwen3-0.6b", 1), ("llama-3.2-1b", 1)])
-def test_each_sm_keeps_the_pages_its_own_tasks_leave(model: str, batch: int) -> None:
-    # The runtime gives an SM's tasks DYN_SMEM_BYTES less its ring (codegen.ring_pages): every
-    # op on the SM must fit in that, and an SM without attention (80 KB at head_dim 128) keeps
-    # more pages than one with it.
-    plan = compile_graph(build_graph(get_preset(model), DecodeShape(batch=batch)),
-                         DEFAULT_NUM_SMS)
-    pages = codegen.ring_pages(plan)
-    need = [op.scratch_bytes for op in plan.ops]
-    attention = {i for i, op in enumerate(plan.ops) if op.kind == "attention"}
-    for sm in range(plan.num_sms):
-        ops = {int(o) for o in plan.instrs[sm, : plan.lengths[sm], record.OP]}
-        scratch = codegen.DYN_SMEM_BYTES - int(pages[sm]) * codegen.PAGE_BYTES
-        assert all(need[o] <= scratch for o in ops), (sm, scratch)
-        assert codegen.MIN_PAGES <= pages[sm] <= codegen.MAX_PAGES
-        if not ops & attention:
-            assert pages[sm] > codegen.num_pages(plan.scratch_bytes), sm
-    assert (pages == codegen.num_pages(plan.scratch_bytes)).sum() < plan.num_sms // 2

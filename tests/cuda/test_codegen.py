@@ -48,8 +48,14 @@ def test_layout_constants_come_from_record() -> None:
     for name, value in record.layout_constants().items():
         assert consts[f"REC_{name}"] == value, name
     assert consts["NUM_THREADS"] == 256
-    assert consts["PAGE_BYTES"] == 16 * 1024 and consts["MAX_PAGES"] == codegen.MAX_PAGES
-    # Every SM's pages and task scratch share the same dynamic shared memory (ring_pages).
+    plan = small_plan()
+    assert plan.scratch_bytes == 16 * 1024
+    assert consts["PAGE_BYTES"] == 16 * 1024 and consts["NUM_PAGES"] == codegen.MAX_PAGES
+    # A task gets what the pages leave: at least the plan's scratch, all of shared memory used.
+    assert consts["SMEM_BYTES"] == codegen.task_scratch_bytes(plan.scratch_bytes) >= \
+        plan.scratch_bytes
+    assert consts["DYN_SMEM_BYTES"] == consts["NUM_PAGES"] * consts["PAGE_BYTES"] + \
+        consts["SMEM_BYTES"] == codegen.dynamic_smem_bytes(plan.scratch_bytes)
     assert consts["DYN_SMEM_BYTES"] + codegen.STATIC_RESERVE == codegen.SMEM_LIMIT
     assert consts["PARAM_WORDS"] == record.PARAM_WORDS
     assert consts["MPK_ABI_VERSION"] == codegen.ABI_VERSION
@@ -95,17 +101,12 @@ def test_source_depends_only_on_kinds_and_sizes() -> None:
                                                          flagged=codegen.flagged_kinds(chain))
     with pytest.raises(CompileError, match="duplicate"):
         codegen.render_kinds(["rmsnorm", "rmsnorm"])
-
-
-def test_a_larger_scratch_leaves_fewer_pages_and_too_large_a_one_is_refused() -> None:
-    assert codegen.num_pages(16 * 1024) == codegen.MAX_PAGES
-    big = codegen.num_pages(96 * 1024)
-    assert big == (codegen.DYN_SMEM_BYTES - 96 * 1024) // codegen.PAGE_BYTES < codegen.MAX_PAGES
-    # What the pages leave is the scratch: at least what was asked, all of shared memory used.
-    assert codegen.task_scratch_bytes(96 * 1024) == \
-        codegen.DYN_SMEM_BYTES - big * codegen.PAGE_BYTES >= 96 * 1024
+    # A larger task scratch leaves fewer weight pages; too large a one is refused clearly.
+    big = cuda_constants(codegen.render_kinds(["silu_mul"], scratch_bytes=96 * 1024))
+    assert big["NUM_PAGES"] == (codegen.SMEM_LIMIT - codegen.STATIC_RESERVE - 96 * 1024) // \
+        codegen.PAGE_BYTES < codegen.MAX_PAGES
     with pytest.raises(UnsupportedError, match="weight pages"):
-        codegen.num_pages(200 * 1024)
+        codegen.render_kinds(["silu_mul"], scratch_bytes=200 * 1024)
 
 
 def flagged_constant(source: str, kind: str) -> bool:
@@ -139,14 +140,13 @@ def test_plan_constants_raise_kind_defaults() -> None:
 
 
 def test_params_struct_layout() -> None:
-    # mpk::Params: 9 pointers, then step_begin, num_steps, max_len, timeout_ns, profile, then the
+    # mpk::Params: 8 pointers, then step_begin, num_steps, max_len, timeout_ns, profile, then the
     # tensor-parallel peer_arenas, xflags_offset, rank, ranks (x86-64 / aarch64).
-    assert ctypes.sizeof(Params) == 128
-    assert Params.ring_pages.offset == 16
-    assert Params.step_begin.offset == 72 and Params.timeout_ns.offset == 88
-    assert Params.profile.offset == 96 and Params.peer_arenas.offset == 104
-    assert Params.xflags_offset.offset == 112 and Params.rank.offset == 120
-    assert Params.ranks.offset == 124
+    assert ctypes.sizeof(Params) == 120
+    assert Params.step_begin.offset == 64 and Params.timeout_ns.offset == 80
+    assert Params.profile.offset == 88 and Params.peer_arenas.offset == 96
+    assert Params.xflags_offset.offset == 104 and Params.rank.offset == 112
+    assert Params.ranks.offset == 116
 
 
 def test_arch_selection() -> None:

@@ -24,8 +24,8 @@ from mpk.tasks.base import PAGE_BYTES, StreamLayout
 from mpk.tensors import Role
 
 ARENA_ALIGN = 256
-# PlanOp.scratch_bytes granularity (the CUDA runtime gives an SM's tasks whatever its weight pages
-# leave, at least the largest scratch of its ops).
+# Plan.scratch_bytes granularity. A backend sizes its buffers from it (the CUDA runtime gives a
+# task whatever its weight pages leave, so its build depends on the page count alone).
 SCRATCH_ROUND = 1024
 
 
@@ -45,9 +45,7 @@ def compile_graph(graph: Graph, num_sms: int = DEFAULT_NUM_SMS, *, fuse_ops: boo
     counters = assign_counters([op.num_tasks for op in ops], edges,
                                counted_edges(ops, edges, flagged))
     costs = [op.kind.cost(op.view) for op in ops for _ in range(op.num_tasks)]
-    large = [op.index if _scratch_bytes(op) > cost_model.large_scratch_bytes else -1
-             for op in ops for _ in range(op.num_tasks)]
-    sched = schedule_tasks(costs, counters.waits, counters.signals, num_sms, cost_model, large)
+    sched = schedule_tasks(costs, counters.waits, counters.signals, num_sms, cost_model)
     layouts = {op.index: op.kind.stream_layout(op.view) for op in ops}
     flags = plan_flags(ops, counters, flagged)
     tensors, tensor_ids, arena = _tensor_table(graph, ops, flags.tensors)
@@ -63,7 +61,7 @@ def compile_graph(graph: Graph, num_sms: int = DEFAULT_NUM_SMS, *, fuse_ops: boo
         ops=tuple(_plan_op(op, tensor_ids) for op in ops),
         op_params=_op_params(ops, flags), instrs=instrs, lengths=lengths,
         counter_counts=np.array(counters.counts, dtype=np.int32), arena_bytes=arena,
-        streams=streams, constants=_cuda_constants(ops),
+        scratch_bytes=_scratch_bytes(ops), streams=streams, constants=_cuda_constants(ops),
     )
     plan.meta.update(_stats(ops, counters, sched, plan, costs, cost_model))
     plan.meta["compile_s"] = round(time.perf_counter() - t0, 3)
@@ -90,7 +88,7 @@ def _tensor_table(graph: Graph, ops: list[TiledOp], flagged: frozenset[str]
 def _plan_op(op: TiledOp, tensor_ids: dict[str, int]) -> PlanOp:
     return PlanOp(op.op.name, op.op.kind, op.op.grid,
                   tuple((acc.operand, tensor_ids[acc.tensor]) for acc in op.accesses),
-                  tuple(op.op.splits), tuple(op.op.attrs), op.first_task, _scratch_bytes(op))
+                  tuple(op.op.splits), tuple(op.op.attrs), op.first_task)
 
 
 def _cuda_constants(ops: list[TiledOp]) -> tuple[tuple[str, int], ...]:
@@ -101,8 +99,8 @@ def _cuda_constants(ops: list[TiledOp]) -> tuple[tuple[str, int], ...]:
     return tuple(sorted(values.items()))
 
 
-def _scratch_bytes(op: TiledOp) -> int:
-    need = op.kind.scratch_bytes(op.view)
+def _scratch_bytes(ops: list[TiledOp]) -> int:
+    need = max((op.kind.scratch_bytes(op.view) for op in ops), default=0)
     return max(SCRATCH_ROUND, -(-need // SCRATCH_ROUND) * SCRATCH_ROUND)
 
 

@@ -50,9 +50,6 @@ class PlanOp:
     splits: tuple[tuple[str, tuple[int | None, ...]], ...]
     attrs: tuple[tuple[str, Any], ...]
     first_task: int
-    # Shared memory one task of the op uses (TaskKind.scratch_bytes, rounded up): a backend gives
-    # each SM the largest over the ops it runs, and the CUDA runtime the rest as weight pages.
-    scratch_bytes: int = 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -76,6 +73,9 @@ class Plan:
     lengths: np.ndarray  # int32 [num_sms]
     counter_counts: np.ndarray  # int32 [num_counters]: signals per counter per step
     arena_bytes: int
+    # Shared memory one task may use (the largest TaskKind.scratch_bytes of the plan, rounded up
+    # to 16 KB so similar plans share a CUDA build); the rest holds weight pages.
+    scratch_bytes: int = 16 * 1024
     streams: tuple[PlanStream, ...] = ()
     # Compile-time constants of the kinds' CUDA code (TaskKind.cuda_constants), largest per name
     constants: tuple[tuple[str, int], ...] = ()
@@ -93,21 +93,6 @@ class Plan:
     @property
     def num_counters(self) -> int:
         return int(len(self.counter_counts))
-
-    @property
-    def scratch_bytes(self) -> int:
-        """The largest shared-memory scratch one task of the plan uses."""
-        return max((op.scratch_bytes for op in self.ops), default=0)
-
-    def sm_scratch_bytes(self) -> np.ndarray:
-        """int32 [num_sms]: the largest scratch a task of each SM's list uses (0: no tasks)."""
-        need = np.array([op.scratch_bytes for op in self.ops] or [0], dtype=np.int32)
-        out = np.zeros(self.num_sms, dtype=np.int32)
-        for sm in range(self.num_sms):
-            ops = self.instrs[sm, : self.lengths[sm], record.OP]
-            if len(ops):
-                out[sm] = need[ops].max()
-        return out
 
     def tensor_id(self, name: str) -> int:
         for i, t in enumerate(self.tensors):
@@ -158,6 +143,7 @@ class Plan:
             "tensors": [asdict(t) for t in self.tensors],
             "ops": [asdict(o) for o in self.ops],
             "arena_bytes": self.arena_bytes,
+            "scratch_bytes": self.scratch_bytes,
             "streams": [asdict(s) for s in self.streams],
             "constants": [list(c) for c in self.constants],
             "record_words": record.WORDS,
@@ -192,11 +178,11 @@ class Plan:
             ops=tuple(PlanOp(o["name"], o["kind"], tuple(o["grid"]),
                              tuple((a, b) for a, b in o["operands"]),
                              tuple((a, tuple(b)) for a, b in o["splits"]),
-                             tuple((a, b) for a, b in o["attrs"]), o["first_task"],
-                             o.get("scratch_bytes", 16 * 1024))
+                             tuple((a, b) for a, b in o["attrs"]), o["first_task"])
                       for o in head["ops"]),
             op_params=arrays["op_params"], instrs=arrays["instrs"], lengths=arrays["lengths"],
             counter_counts=arrays["counter_counts"], arena_bytes=head["arena_bytes"],
+            scratch_bytes=head.get("scratch_bytes", 16 * 1024),
             streams=tuple(PlanStream(s["op"], s["nbytes"]) for s in head.get("streams", [])),
             constants=tuple((str(n), int(v)) for n, v in head.get("constants", [])),
             meta=head.get("meta", {}),

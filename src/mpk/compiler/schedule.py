@@ -5,11 +5,6 @@ topological order: the basis of the deadlock-freedom argument, checked by simula
 Each task goes to the SM where the cost model says it finishes first. The model: a task's weight
 bytes stream from HBM as soon as its SM is free (the runtime prefetches weights before waiting),
 its activation work starts once its producers have finished plus a hand-off latency.
-
-Tasks with a large shared-memory scratch (attention's 80 KB at head_dim 128) stay on as few SMs
-as they need: the CUDA runtime gives every SM as many weight pages as its own tasks' scratch
-leaves, so the SMs that never run one keep a deeper ring and stream more weights while
-attention runs elsewhere (before: every SM ran some layer's attention, and all kept 8 pages).
 """
 
 from __future__ import annotations
@@ -34,9 +29,6 @@ class CostModel:
     l2_bytes_per_us: float = 12.0e6
     task_overhead_us: float = 4.0
     handoff_us: float = 2.0
-    # A task whose scratch is above this is "large" (it costs its SM weight pages: 16 KB each
-    # out of ~219 KB, a linear task needs 17-35 KB at batch 1).
-    large_scratch_bytes: int = 40 * 1024
 
     def weight_us(self, cost: TaskCost, num_sms: int) -> float:
         return cost.weight_bytes / (self.stream_bytes_per_us / max(num_sms, 1))
@@ -59,17 +51,11 @@ class Schedule:
 
 def schedule_tasks(costs: list[TaskCost], waits: list[list[tuple[int, int, bool]]],
                    signals: list[list[int]], num_sms: int,
-                   model: CostModel = CostModel(),
-                   large_op: list[int] | None = None) -> Schedule:
-    """`large_op`: per task, its op's index when its scratch is large (else -1): such tasks go
-    to the SMs earlier large tasks went to (one an op per SM), new SMs only when those are
-    taken."""
+                   model: CostModel = CostModel()) -> Schedule:
     n = len(costs)
     sm_free = np.zeros(num_sms)
     busy = np.zeros(num_sms)
     counter_done = {}  # counter -> latest finish time of its producers so far (this step)
-    large_sms = np.zeros(num_sms, dtype=bool)  # SMs that run a large task
-    taken: dict[int, np.ndarray] = {}  # op -> SMs one of its large tasks went to
     sm_of = np.zeros(n, dtype=np.int64)
     start = np.zeros(n)
     finish = np.zeros(n)
@@ -81,15 +67,7 @@ def schedule_tasks(costs: list[TaskCost], waits: list[list[tuple[int, int, bool]
         w_us = model.weight_us(costs[t], num_sms)
         a_us = model.act_us(costs[t], num_sms) + model.task_overhead_us
         done = np.maximum(sm_free + w_us, np.maximum(sm_free, ready) + a_us)
-        score = done + 1e-9 * busy
-        op = -1 if large_op is None else large_op[t]
-        if op >= 0:
-            free = ~taken.setdefault(op, np.zeros(num_sms, dtype=bool))
-            allowed = free & large_sms if (free & large_sms).any() else free
-            score = np.where(allowed, score, np.inf)
-        sm = int(np.argmin(score))
-        if op >= 0:
-            taken[op][sm] = large_sms[sm] = True
+        sm = int(np.argmin(done + 1e-9 * busy))
         sm_of[t] = sm
         start[t] = max(sm_free[sm], ready)
         finish[t] = done[sm]

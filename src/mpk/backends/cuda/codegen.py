@@ -4,9 +4,9 @@ The template has five holes, all filled from data, never from hand-kept lists:
   OPTIONS    `#define MPK_PROFILE 1` in the profiling build (per-record timer stamps), else a
              comment: the macro is the only difference between the two builds; and
              `#define MPK_TASK_PARAMS 1` when a kind reads the launch's Params (TaskArgs::p);
-  CONSTANTS  record layout (record.layout_constants() as REC_<NAME>), runtime sizes (the
-             largest page ring, the dynamic shared memory; each SM's ring follows at run time
-             from the scratch its own tasks need: ring_pages), the error buffer layout
+  CONSTANTS  record layout (record.layout_constants() as REC_<NAME>), runtime sizes (the page
+             ring follows from Plan.scratch_bytes, the task scratch is what the pages leave:
+             task_scratch_bytes), the error buffer layout
              (ERROR_FIELDS below, shared with the executor), the SAMPLING and RUNS row
              layouts (tasks/sampling.py, tasks/runs.py) and the ABI version;
   KINDS      for each kind of the plan (kind id = index in plan.kinds): its operand slots
@@ -15,8 +15,8 @@ The template has five holes, all filled from data, never from hand-kept lists:
              `#include "<kind>/sm90.cuh"` (resolved against mpk/tasks);
   DISPATCH   `case <kind id>: mpk::kinds::<kind>::run(a); break;`;
   KIND_NAMES the kind-name table for profilers and error messages.
-The rendered source depends only on the plan's kinds (in order), constants, flagged kinds and
-the profiling flag, not on its tables or scratch sizes, so one build serves every plan that
+The rendered source depends only on the plan's kinds (in order), its page count, constants,
+flagged kinds and the profiling flag, not on its tables, so one build serves every plan that
 shares them.
 """
 
@@ -25,8 +25,6 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
-
-import numpy as np
 
 from mpk.compiler import record
 from mpk.compiler.plan import Plan
@@ -38,17 +36,15 @@ CSRC_DIR = Path(__file__).parent / "csrc"
 TEMPLATE = CSRC_DIR / "megakernel.cu.in"
 
 # Bump when Params, the error buffer or the exported host functions change meaning.
-ABI_VERSION = 6  # 2: Params.profile; 3: tensor-parallel peers; 4: warp roles, weight pages;
-# 5: flagged activations (record POLLED, the params' flag entries); 6: Params.ring_pages
+ABI_VERSION = 5  # 2: Params.profile; 3: tensor-parallel peers; 4: warp roles, weight pages;
+# 5: flagged activations (record POLLED, the params' flag entries)
 NUM_THREADS = 256  # consumer threads: what a task runs on (the runtime adds a producer warpgroup)
 RUNTIME_THREADS = NUM_THREADS + 128
 PAGE_BYTES = base.PAGE_BYTES
-MAX_PAGES = 12  # the runtime's barriers are sized for this ring
+MAX_PAGES = 12
 MIN_PAGES = 4
 SMEM_LIMIT = 227 * 1024  # shared memory one CTA may have on sm_90 (static + dynamic)
 STATIC_RESERVE = 8 * 1024  # the runtime's static shared memory (record ring, barriers), bounded
-# Every SM's dynamic shared memory: its weight pages, then its task scratch.
-DYN_SMEM_BYTES = SMEM_LIMIT - STATIC_RESERVE
 ARCH_SUFFIX = "sm90"  # which <kind>/<arch>.cuh the kinds are included from
 
 # The error buffer (int32 words) the runtime fills when it stops: emitted as ERR_<NAME>.
@@ -96,7 +92,7 @@ _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 def num_pages(scratch_bytes: int) -> int:
     """Weight pages the runtime keeps next to a task scratch of `scratch_bytes`."""
-    pages = min(MAX_PAGES, (DYN_SMEM_BYTES - scratch_bytes) // PAGE_BYTES)
+    pages = min(MAX_PAGES, (SMEM_LIMIT - STATIC_RESERVE - scratch_bytes) // PAGE_BYTES)
     if pages < MIN_PAGES:
         raise UnsupportedError(
             f"a task of this plan needs {scratch_bytes // 1024} KB of shared memory, which "
@@ -106,26 +102,28 @@ def num_pages(scratch_bytes: int) -> int:
 
 
 def task_scratch_bytes(scratch_bytes: int) -> int:
-    """The scratch a task gets on an SM whose tasks need `scratch_bytes` (at least that):
-    whatever that SM's weight pages leave."""
-    return DYN_SMEM_BYTES - num_pages(scratch_bytes) * PAGE_BYTES
+    """The scratch a task gets next to a plan's `scratch_bytes` (at least that): whatever the
+    weight pages leave, so that plans with the same page count share one build (SMEM_BYTES)."""
+    return SMEM_LIMIT - STATIC_RESERVE - num_pages(scratch_bytes) * PAGE_BYTES
 
 
-def ring_pages(plan: Plan) -> np.ndarray:
-    """int32 [num_sms]: each SM's weight pages, from the largest scratch its own tasks need (an
-    SM whose list holds no attention keeps more pages in flight while attention runs)."""
-    return np.array([num_pages(int(b)) for b in plan.sm_scratch_bytes()], dtype=np.int32)
+def dynamic_smem_bytes(scratch_bytes: int) -> int:
+    """The runtime's dynamic shared memory: the weight pages, then the task scratch."""
+    return num_pages(scratch_bytes) * PAGE_BYTES + task_scratch_bytes(scratch_bytes)
 
 
-def constants_block() -> str:
+def constants_block(scratch_bytes: int = 16 * 1024) -> str:
     """C++ constants shared by the runtime and the tasks (`inline` so unused ones don't warn)."""
+    pages = num_pages(scratch_bytes)
+    scratch_bytes = task_scratch_bytes(scratch_bytes)
     lines = [f"inline constexpr int REC_{name} = {value};"
              for name, value in sorted(record.layout_constants().items())]
     lines += [
         f"inline constexpr int NUM_THREADS = {NUM_THREADS};",
+        f"inline constexpr int SMEM_BYTES = {scratch_bytes};",
         f"inline constexpr int PAGE_BYTES = {PAGE_BYTES};",
-        f"inline constexpr int MAX_PAGES = {MAX_PAGES};",
-        f"inline constexpr int DYN_SMEM_BYTES = {DYN_SMEM_BYTES};",
+        f"inline constexpr int NUM_PAGES = {pages};",
+        f"inline constexpr int DYN_SMEM_BYTES = {pages * PAGE_BYTES + scratch_bytes};",
         f"inline constexpr int PARAM_WORDS = {record.PARAM_WORDS};",
         f"inline constexpr int MPK_ABI_VERSION = {ABI_VERSION};",
         f"inline constexpr int ERR_WORDS = {ERROR_WORDS};",
@@ -207,18 +205,18 @@ def options_block(profile: bool, kinds: Sequence[str] = ()) -> str:
     return "\n".join(lines)
 
 
-def render_kinds(kinds: Sequence[str], profile: bool = False,
+def render_kinds(kinds: Sequence[str], profile: bool = False, scratch_bytes: int = 16 * 1024,
                  constants: Mapping[str, int] | None = None,
                  flagged: Collection[str] | None = None) -> str:
     """The megakernel source for a tuple of kind names (kind id = position); `profile` selects
-    the timestamped build; `constants` are its kinds' compile-time constants (Plan.constants)
-    and `flagged` the kinds with a flagged operand (flagged_kinds; None: every kind keeps its
-    flagged paths)."""
+    the timestamped build; `scratch_bytes` is the plan's task scratch (Plan.scratch_bytes),
+    `constants` its kinds' compile-time constants (Plan.constants) and `flagged` the kinds with
+    a flagged operand (flagged_kinds; None: every kind keeps its flagged paths)."""
     if len(set(kinds)) != len(kinds):
         raise CompileError(f"duplicate kinds in {list(kinds)}")
     holes = {
         "OPTIONS": options_block(profile, kinds),
-        "CONSTANTS": constants_block(),
+        "CONSTANTS": constants_block(scratch_bytes),
         "KINDS": "\n\n".join(kind_block(i, name, constants, flagged is None or name in flagged)
                                for i, name in enumerate(kinds)),
         "DISPATCH": dispatch_block(kinds),
@@ -239,9 +237,10 @@ def flagged_kinds(plan: Plan) -> frozenset[str]:
 
 
 def render(plan: Plan, profile: bool = False) -> str:
-    """The megakernel .cu source for `plan` (depends only on plan.kinds, its constants, which
-    kinds access flagged tensors and `profile`)."""
-    return render_kinds(plan.kinds, profile, dict(plan.constants), flagged_kinds(plan))
+    """The megakernel .cu source for `plan` (depends only on plan.kinds, its scratch size, its
+    constants, which kinds access flagged tensors and `profile`)."""
+    return render_kinds(plan.kinds, profile, plan.scratch_bytes, dict(plan.constants),
+                        flagged_kinds(plan))
 
 
 def missing_kernels(kinds: Sequence[str], extra_dirs: Sequence[Path] = ()) -> list[str]:

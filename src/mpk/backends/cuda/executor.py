@@ -64,8 +64,6 @@ class CudaExecutor:
         if self.timeout_s <= 0:
             raise MpkError(f"timeout_s must be positive, got {self.timeout_s}")
 
-        # Before the build: a plan whose scratch leaves an SM too few weight pages is refused.
-        ring_pages = codegen.ring_pages(plan)
         arch = build.arch_for_capability(props.major, props.minor)
         self.profile = bool(profile)
         self.build = build.build_plan(plan, arch=arch, extra_includes=extra_includes,
@@ -79,7 +77,7 @@ class CudaExecutor:
             raise UnsupportedError(f"the megakernel does not fit on one SM "
                                    f"({self.kernel_info.registers} registers x "
                                    f"{codegen.RUNTIME_THREADS} threads, "
-                                   f"{codegen.DYN_SMEM_BYTES} + "
+                                   f"{codegen.dynamic_smem_bytes(plan.scratch_bytes)} + "
                                    f"{self.kernel_info.static_smem} bytes of shared memory)")
 
         dev = self.device
@@ -101,7 +99,6 @@ class CudaExecutor:
         self._max_len = int(instrs.shape[1])
         self._instrs = _upload(instrs, dev)
         self._lengths = _upload(plan.lengths, dev)
-        self._ring_pages = _upload(ring_pages, dev)
         self._op_params = _upload(plan.op_params.reshape(-1, record.PARAM_WORDS), dev)
 
         self._views: dict[int, torch.Tensor] = {}
@@ -168,7 +165,6 @@ class CudaExecutor:
                                  device=self.device)
         params = Params(
             instrs=self._instrs.data_ptr(), lengths=self._lengths.data_ptr(),
-            ring_pages=self._ring_pages.data_ptr(),
             op_params=self._op_params.data_ptr(), tensors=self._pointer_table().data_ptr(),
             counters=self.counters.data_ptr(), error=self._error.data_ptr(),
             abort_flag=self._abort.data_ptr(), sm_state=self._sm_state.data_ptr(),

@@ -18,7 +18,6 @@ class Params(ctypes.Structure):
     _fields_ = [
         ("instrs", ctypes.c_void_p),
         ("lengths", ctypes.c_void_p),
-        ("ring_pages", ctypes.c_void_p),
         ("op_params", ctypes.c_void_p),
         ("tensors", ctypes.c_void_p),
         ("counters", ctypes.c_void_p),

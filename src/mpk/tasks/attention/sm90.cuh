@@ -76,13 +76,13 @@ struct Ctx {
 //   qs [G][D] bf16 (prepared queries) | knew, vnew [B][D] bf16 (this step's keys and values, by
 //   position from the split's first one: at most B, a run's width) |
 //   buf [kWarps][D] f32 (RoPE partners) | pre (the prologue's Setup) | rope [B][D] f32 (the
-//   table rows of this step's positions f0 .. p) | qn, kn [D] f32 (norm weights) | pages [ATTN_STAGED_PAGES] i32
+//   table rows of this step's positions f0 .. p) | qn, kn [D] f32 (norm weights) | pages [..] i32
 // Keys staged in shared memory (kst) up to head_dim 128; larger heads read them from L2 (at 256
 // the staging, 64 KB, would leave a 16-row run too few weight pages).
 constexpr bool kStageKeys = ATTN_MAX_HEAD_DIM <= 128;
 
 struct Layout {
-  int wo, kst, wm, wl, ps, qs, knew, vnew, buf, pre, rope, norm, pages;
+  int wo, kst, wm, wl, ps, qs, knew, vnew, buf, pre, rope, norm, pages, max_pages;
   __device__ Layout(const Ctx& c) {
     wo = 0;
     kst = wo + kWarps * 8 * c.D * 4;
@@ -97,6 +97,7 @@ struct Layout {
     rope = pre + 64;
     norm = rope + c.B * c.D * 4;
     pages = norm + 2 * c.D * 4;
+    max_pages = (SMEM_BYTES - pages) / 4;
   }
 };
 
@@ -507,7 +508,7 @@ __device__ __forceinline__ bool row_setup(const Ctx& c, const Layout& L, char* s
   const int n = max(0, R.hi - R.lo);
   R.p_first = n > 0 ? R.lo / c.PS : 0;
   const int n_pages = n > 0 ? (R.hi - 1) / c.PS - R.p_first + 1 : 0;
-  R.staged = min(n_pages, ATTN_STAGED_PAGES);  // the rest are read from L2
+  R.staged = min(n_pages, L.max_pages);
   for (int i = threadIdx.x; i < R.staged; i += NUM_THREADS)
     pages[i] = dev::ld_act_i32(ptrow + R.p_first + i);
   return true;

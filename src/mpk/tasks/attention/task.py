@@ -78,9 +78,7 @@ class Attention(TaskKind):
               Param("has_qk_norm"), Param("eps", is_float=True))
     attrs = {"scale": 0.0, "eps": 1e-6}  # scale 0 means head_dim ** -0.5
     # sm90.cuh sizes its register arrays for heads up to this: 128, or 256 when a plan needs it
-    # ATTN_STAGED_PAGES: page-table entries a task stages in shared memory (the rest of a longer
-    # context's are read from L2); scratch_bytes reserves them.
-    cuda_defaults = {"ATTN_MAX_HEAD_DIM": SMALL_HEAD_DIM, "ATTN_STAGED_PAGES": 1024}
+    cuda_defaults = {"ATTN_MAX_HEAD_DIM": SMALL_HEAD_DIM}
 
     def flag_operands(self, op: OpView) -> frozenset[str]:
         # qkv's words of the task's KV head (every row) are polled into the warps' output
@@ -179,14 +177,13 @@ class Attention(TaskKind):
         # sm90.cuh's Layout: per-warp (m, l, O) states, a block's keys per warp (heads up to
         # 128: kStageKeys), the P transposes, the prepared queries, this step's keys and values
         # (up to one per batch row: a run's width), the per-warp RoPE buffers, the prologue's
-        # setup, RoPE rows (one per batch row) and norm weights, the staged page-table entries
+        # setup, RoPE rows (one per batch row) and norm weights, >= 1024 page-table entries
         d = op.shape("k_cache")[3]
         group, batch = self.param_values(op)["group"], op.shape("qkv")[0]
         keys = 8 * 16 * d * 2 if d <= SMALL_HEAD_DIM else 0
         return (8 * 8 * d * 4 + keys + 2 * 8 * 8 * 4 + 8 * 2 * 8 * 16 * 2
                 + -(-group * d * 2 // 16) * 16
-                + 2 * batch * d * 2 + 8 * d * 4 + 64 + batch * d * 4 + 2 * d * 4
-                + 4 * self.cuda_defaults["ATTN_STAGED_PAGES"])
+                + 2 * batch * d * 2 + 8 * d * 4 + 64 + batch * d * 4 + 2 * d * 4 + 4096)
 
     def reference(self, tile: Tile) -> None:
         p = self.param_values(tile.op)

@@ -52,7 +52,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
 
   const int vpr = H / 8;
   // Rows per group: staged rows (H bf16 each) plus the per-row reduction slots must fit.
-  int group = (a.smem_bytes - 64) / (H * 2 + kWarps * 4 + 4);
+  int group = (SMEM_BYTES - 64) / (H * 2 + kWarps * 4 + 4);
   group = max(1, min(group, rows));
   float* inv = red + group * kWarps;
   bf16* xs = reinterpret_cast<bf16*>(a.smem + ((group * (kWarps + 1) * 4 + 15) / 16) * 16);

@@ -41,11 +41,6 @@ class RmsNorm(TaskKind):
     def reference(self, tile: Tile) -> None:
         tile["out"].copy_(rmsnorm_rows(tile["x"], tile["weight"], tile.attr("eps")))
 
-    def scratch_bytes(self, op: OpView) -> int:
-        # sm90.cuh stages as many rows as its scratch holds (a.smem_bytes), at least one: one
-        # row of H bf16 plus its reduction slots (48 bytes) must fit whatever the SM has left.
-        return max(16 * 1024, 2 * op.shape("x")[1] + 48)
-
     def cost(self, op: OpView) -> TaskCost:
         rows, hidden = op.tile_shape("x")
         return TaskCost(weight_bytes=2 * hidden, act_bytes=4 * rows * hidden, flops=4 * rows * hidden)

@@ -10,7 +10,6 @@ namespace mpk {
 struct Params {
   const int* instrs;             // [num_sms, max_len, REC_WORDS]
   const int* lengths;            // [num_sms]
-  const int* ring_pages;         // [num_sms] weight pages of each SM (MIN_PAGES .. MAX_PAGES)
   const int* op_params;          // [num_ops, PARAM_WORDS]
   void* const* tensors;          // [num_tensors] device base pointers, index = tensor id
   unsigned long long* counters;  // [num_counters], monotonic

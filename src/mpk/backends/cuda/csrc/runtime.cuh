@@ -1,7 +1,7 @@
 // The persistent megakernel: one CTA per SM walks its own list of task records with warp roles.
 //
 // Included by the generated megakernel.cu AFTER the generated constants (REC_*, ERR_*,
-// NUM_THREADS, MAX_PAGES, PAGE_BYTES, DYN_SMEM_BYTES, ...) and AFTER mpk::dispatch(kind, args).
+// NUM_THREADS, NUM_PAGES, PAGE_BYTES, SMEM_BYTES, ...) and AFTER mpk::dispatch(kind, args).
 //
 // Roles (RUNTIME_THREADS = NUM_THREADS consumers + one warpgroup of producers):
 //   consumers  (warps 0 .. NUM_THREADS/32-1) run the tasks, one record at a time, in list order;
@@ -13,11 +13,9 @@
 //              order, and marks it ready (measured: with fetch and wait in one loop the loader
 //              saw one record ahead only, and weights arrived just in time);
 //   loader     (one lane of LOADER_WARP) streams every record's weight pages (record
-//              STREAM_RUNS) into a ring of shared-memory pages with bulk copies, as far ahead as
-//              free pages allow: across tasks, ops and layers, because weights never depend on
-//              activations. Each SM's ring (Params::ring_pages, MIN_PAGES .. MAX_PAGES) is what
-//              the scratch of its own tasks leaves of DYN_SMEM_BYTES: an SM that runs no
-//              attention keeps more pages in flight while attention runs elsewhere;
+//              STREAM_RUNS) into a ring of NUM_PAGES shared-memory pages with bulk copies, as far
+//              ahead as free pages allow: across tasks, ops and layers, because weights never
+//              depend on activations;
 //   storer     (one lane of STORER_WARP) waits until the consumers finish a record, fences and
 //              release-adds its signal counters, and frees the slot.
 // Waits a record marks POLLED (compiler/flags.py) are skipped by the controller: the task polls
@@ -50,7 +48,7 @@
 //     and the params, write only a.smem, touch no weight page, and end with mpk::task_sync()
 //     so that run(a) sees what it staged. run(a) follows on the same threads.
 //   * A task runs on exactly NUM_THREADS threads, synchronises them with mpk::task_sync() (never
-//     __syncthreads), owns a.smem (a.smem_bytes) for its duration only, and has every warp visit
+//     __syncthreads), owns a.smem (SMEM_BYTES) for its duration only, and has every warp visit
 //     every weight page of its record in order (its copy of a.pages, finish() before returning).
 // Failures: a counter wait that exceeds the watchdog (or sees another CTA's abort) stops the
 // controller; it marks the slot stopped, the consumers leave when they reach it, then the loader
@@ -90,7 +88,7 @@ struct __align__(16) Slot {
   unsigned long long stream;                  // this task's weight stream (0: none)
   unsigned long long t_wait, t_run;           // profiling stamps
   int step, index, stop, bad_kind;
-  uint32_t page_held;                         // PageCursor::held of the page before page 0
+  uint32_t page_seq;                          // ring sequence number of the record's page 0
   uint32_t gstep;                             // global step, low 32 bits (flag epochs)
   int pad[2];
   // Profiling stamps, placed last so t_wait keeps the offset scripts/probe_phases.py patches.
@@ -98,11 +96,10 @@ struct __align__(16) Slot {
   unsigned long long t_mark[2];               // the kind's INPUT and COMPUTE marks
 };
 
-// Barrier block in static shared memory: full[MAX_PAGES], empty[MAX_PAGES] (PageCursor relies
-// on empty following full; a ring uses the first ring_pages of each), then loaded, ready,
-// done, freed [NUM_SLOTS] each.
+// Barrier block in static shared memory: full[NUM_PAGES], empty[NUM_PAGES] (PageCursor relies
+// on empty following full), then loaded, ready, done, freed [NUM_SLOTS] each.
 struct Bars {
-  unsigned long long full[MAX_PAGES], empty[MAX_PAGES];
+  unsigned long long full[NUM_PAGES], empty[NUM_PAGES];
   unsigned long long loaded[NUM_SLOTS], ready[NUM_SLOTS], done[NUM_SLOTS], freed[NUM_SLOTS];
 };
 
@@ -112,17 +109,7 @@ struct Shared {
   int seen_ctr[SEEN];
   unsigned long long seen_val[SEEN];
   int consumers_gone;  // the consumers left after a stop
-  int ring_pages;      // this SM's weight pages (Params::ring_pages)
 };
-
-// Dynamic shared memory: the task scratch at its start (a fixed address: the consumers keep no
-// register for it), then this SM's weight pages, which take the rest.
-__device__ __forceinline__ int scratch_bytes(const Shared& sh) {
-  return DYN_SMEM_BYTES - sh.ring_pages * PAGE_BYTES;
-}
-__device__ __forceinline__ uint32_t ring_address(const Shared& sh, const char* dyn) {
-  return ptx::smem_u32(dyn) + (uint32_t)scratch_bytes(sh);
-}
 
 __device__ __forceinline__ long long join64(int lo, int hi) {
   return (long long)((unsigned long long)(unsigned)lo | ((unsigned long long)(unsigned)hi << 32));
@@ -238,7 +225,6 @@ __device__ __forceinline__ void fill_slot(const Params& p, Slot& slot, const int
 
 __device__ __forceinline__ void fetcher(const Params& p, Shared& sh, const int* list, int len,
                                         int total) {
-  const uint32_t ring_pages = (uint32_t)sh.ring_pages;
   const int lane = threadIdx.x & 31;
   int i = 0, s = 0;
   uint32_t seq = 0;  // ring sequence number of the next record's page 0 (the loader counts alike)
@@ -261,7 +247,7 @@ __device__ __forceinline__ void fetcher(const Params& p, Shared& sh, const int* 
       const int kind = slot.rec[REC_KIND];
       slot.bad_kind = kind < 0 || kind >= MPK_NUM_KINDS;
       if (slot.bad_kind) slot.stream = 0ull;  // a corrupt record: the loader copies nothing
-      slot.page_held = PageCursor::held_before(seq, ring_pages);
+      slot.page_seq = seq;
       if (slot.stream != 0ull) seq += (uint32_t)pages_of(slot.rec);
       ptx::mbar_arrive(ptx::smem_u32(&sh.bars.loaded[sl]));
     }
@@ -300,24 +286,21 @@ __device__ __forceinline__ void controller(const Params& p, Shared& sh, int tota
 // ---- loader ---------------------------------------------------------------------------------------
 // After a stop: let the copies already issued land before the CTA exits (no bulk copy may
 // still write this CTA's shared memory then). Nothing is issued after the stop, so the last
-// ring's pages' phases cannot move on.
-__device__ __forceinline__ void drain(Shared& sh, uint32_t seq, uint32_t ring_pages,
-                                      long long limit) {
-  for (uint32_t s = seq > ring_pages ? seq - ring_pages : 0; s < seq; ++s)
-    wait_or_trap(ptx::smem_u32(&sh.bars.full[s % ring_pages]), (s / ring_pages) & 1u, limit);
+// NUM_PAGES pages' phases cannot move on.
+__device__ __forceinline__ void drain(Shared& sh, uint32_t seq, long long limit) {
+  for (uint32_t s = seq > NUM_PAGES ? seq - NUM_PAGES : 0; s < seq; ++s)
+    wait_or_trap(ptx::smem_u32(&sh.bars.full[s % NUM_PAGES]), (s / NUM_PAGES) & 1u, limit);
 }
 
 __device__ __forceinline__ void loader(const Params& p, Shared& sh, uint32_t ring,
                                        int total) {
   const uint64_t policy = ptx::l2_evict_first_policy();
-  const uint32_t ring_pages = (uint32_t)sh.ring_pages;
-  uint32_t seq = 0;             // ring sequence number of the next page
-  uint32_t ps = 0, pround = 0;  // its slot and the slot's round (seq = pround * ring_pages + ps)
+  uint32_t seq = 0;  // ring sequence number of the next page
   for (int k = 0; k < total; ++k) {
     const int sl = (int)(k & (NUM_SLOTS - 1));
     const uint32_t round = (uint32_t)(k / NUM_SLOTS);
     if (!wait_unless_gone(ptx::smem_u32(&sh.bars.loaded[sl]), round & 1u, &sh.consumers_gone))
-      return drain(sh, seq, ring_pages, p.timeout_ns);
+      return drain(sh, seq, p.timeout_ns);
     const Slot& slot = sh.slot[sl];
     const char* src = reinterpret_cast<const char*>(slot.stream);
     int counts[REC_MAX_RUNS];
@@ -331,17 +314,14 @@ __device__ __forceinline__ void loader(const Params& p, Shared& sh, uint32_t rin
 #pragma unroll
     for (int r = 0; r < REC_MAX_RUNS; ++r) {
       for (int c = 0; c < counts[r]; ++c, ++seq) {
+        const uint32_t ps = seq % NUM_PAGES, pround = seq / NUM_PAGES;
         if (!wait_unless_gone(ptx::smem_u32(&sh.bars.empty[ps]), (pround & 1u) ^ 1u,
                               &sh.consumers_gone))
-          return drain(sh, seq, ring_pages, p.timeout_ns);
+          return drain(sh, seq, p.timeout_ns);
         const uint32_t full = ptx::smem_u32(&sh.bars.full[ps]);
         ptx::mbar_arrive_expect_tx(full, sizes[r]);
         ptx::bulk_copy_g2s(ring + ps * (uint32_t)PAGE_BYTES, src, sizes[r], full, policy);
         src += sizes[r];
-        if (++ps == ring_pages) {
-          ps = 0;
-          ++pround;
-        }
       }
     }
   }
@@ -458,14 +438,14 @@ __device__ __forceinline__ TaskArgs task_args(const Params& p, Shared& sh, Slot&
                                               uint32_t ring, char* scratch,
                                               const Params* task_params) {
   const int npages = slot.stream != 0ull ? pages_of(slot.rec) : 0;
-  const PageCursor pages{ring, ptx::smem_u32(&sh.bars.full[0]), npages, -1, p.timeout_ns,
-                         slot.page_held};
+  const PageCursor pages{ring, ptx::smem_u32(&sh.bars.full[0]), slot.page_seq, npages, -1,
+                         p.timeout_ns};
 #ifdef MPK_PROFILE
-  return TaskArgs{slot.rec, slot.params, slot.base, slot.step, slot.gstep, scratch,
-                  scratch_bytes(sh), task_params, pages, slot.t_mark};
+  return TaskArgs{slot.rec, slot.params, slot.base, slot.step, slot.gstep, scratch, task_params,
+                  pages, slot.t_mark};
 #else
-  return TaskArgs{slot.rec, slot.params, slot.base, slot.step, slot.gstep, scratch,
-                  scratch_bytes(sh), task_params, pages};
+  return TaskArgs{slot.rec, slot.params, slot.base, slot.step, slot.gstep, scratch, task_params,
+                  pages};
 #endif
 }
 
@@ -515,9 +495,8 @@ __device__ __forceinline__ void consumers(const Params& p, Shared& sh, uint32_t 
   }
 }
 
-__device__ __forceinline__ void init_barriers(Shared& sh, int ring_pages) {
-  sh.ring_pages = ring_pages;
-  for (int i = 0; i < ring_pages; ++i) {
+__device__ __forceinline__ void init_barriers(Shared& sh) {
+  for (int i = 0; i < NUM_PAGES; ++i) {
     ptx::mbar_init(ptx::smem_u32(&sh.bars.full[i]), 1);
     ptx::mbar_init(ptx::smem_u32(&sh.bars.empty[i]), NUM_THREADS);  // PageCursor
   }
@@ -558,7 +537,7 @@ extern "C" __global__ void __launch_bounds__(mpk::RUNTIME_THREADS, 1)
   // an opaque move, so the tasks' own threadIdx.x is not merged with (and kept alive from) it.
   const int tid0 = ptx::thread_index();
   if (tid0 == 0) {
-    init_barriers(sh, p.ring_pages[blockIdx.x]);
+    init_barriers(sh);
     launch_abort = p.abort_flag;
   }
   __syncthreads();
@@ -569,7 +548,8 @@ extern "C" __global__ void __launch_bounds__(mpk::RUNTIME_THREADS, 1)
   if (warp < CONSUMER_WARPS) {
     ptx::setmaxnreg_inc<CONSUMER_REGS>();
     const int total = p.lengths[blockIdx.x] * p.num_steps;
-    consumers(p, sh, ring_address(sh, dyn_smem), dyn_smem, total, MPK_PARAMS_PTR);
+    consumers(p, sh, ptx::smem_u32(dyn_smem), dyn_smem + NUM_PAGES * PAGE_BYTES, total,
+              MPK_PARAMS_PTR);
   } else {
     ptx::setmaxnreg_dec<PRODUCER_REGS>();
     const int sm = blockIdx.x, lane = threadIdx.x & 31;
@@ -579,7 +559,7 @@ extern "C" __global__ void __launch_bounds__(mpk::RUNTIME_THREADS, 1)
     } else if (warp == CONTROLLER_WARP) {
       if (lane == 0) controller(p, sh, total, sm);
     } else if (warp == LOADER_WARP) {
-      if (lane == 0) loader(p, sh, ring_address(sh, dyn_smem), total);
+      if (lane == 0) loader(p, sh, ptx::smem_u32(dyn_smem), total);
     } else if (warp == STORER_WARP) {
       if (lane == 0) storer(p, sh, total, sm);
     }

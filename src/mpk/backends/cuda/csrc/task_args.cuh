@@ -12,8 +12,7 @@
 //           by the controller before the task starts, in shared memory.
 // step    : the LOCAL decode step inside this launch (0 .. num_steps-1).
 // gstep   : the global step (low 32 bits): the epoch of flagged accesses (common/flags.cuh).
-// smem    : this task's shared-memory scratch, smem_bytes long: at least the op's
-//           TaskKind.scratch_bytes (each SM's weight pages leave its tasks the largest of theirs).
+// smem    : this task's shared-memory scratch (SMEM_BYTES, generated from the plan).
 // p       : the launch's Params, for kinds that declare reads_launch_params (else nullptr).
 // pages   : the task's weight pages (kinds with a TaskKind.stream_layout): page i holds the
 //           bytes of run-by-run cut i of the task's stream (record STREAM_RUNS). A kind with a
@@ -52,32 +51,23 @@ __device__ __forceinline__ void task_sync() { ptx::named_sync(1, NUM_THREADS); }
 // waits until page i has landed (releasing the pages before it); finish() releases the rest.
 // Every consumer warp must wait for and release EVERY page of the task exactly once, in order,
 // because a page's "empty" barrier counts one arrival per consumer thread per use. A warp that
-// holds page i at a task_sync() must not make another warp need page i + (ring pages) before that
+// holds page i at a task_sync() must not make another warp need page i + NUM_PAGES before that
 // barrier (its page slot cannot be refilled until the first warp releases it): keep barriers
-// within a few pages of each other's reach (linear: at most 2 pages, MIN_PAGES = 4). (The cursor is
+// within a few pages of each other's reach (linear: at most 2 pages, NUM_PAGES >= 4). (The cursor is
 // a value the kind owns: held in registers, not behind a pointer the compiler must keep in
 // local memory.)
-static_assert(MAX_PAGES < 256, "PageCursor::held keeps a ring slot and the ring size in 8 bits");
 struct PageCursor {
   uint32_t ring;   // smem address of page slot 0 (slots are PAGE_BYTES apart)
-  uint32_t full;   // smem address of full[0] (MAX_PAGES u64 barriers), empty[] right after
+  uint32_t full;   // smem address of full[0] (NUM_PAGES u64 barriers), empty[] right after
+  uint32_t seq;    // ring sequence number of the task's page 0
   int count;       // pages of this task
   int cur;         // page this warp holds (waited for, not yet released); -1 before the first
   long long limit_ns;  // a page that has not landed after this long means a runtime bug: trap
-  // Page `cur`'s ring slot (bits 0-7), the SM's ring size (bits 8-15) and the slot's
-  // full-barrier parity (bit 31); before the first at(), the page before page 0's
-  // (held_before). Kept as it moves instead of derived from a sequence number: a division per
-  // page per warp sat on the walk's critical path (ncu source counters, perf-log), and the
-  // ring size rides along so that it costs no register: every live value of the walk costs
-  // the big builds spills.
-  uint32_t held;
-
-  // The held word of the page before ring sequence number `seq`, on a ring of `pages` pages
-  // (seq + 2 * pages - 1 has seq - 1's slot and parity, and never goes below zero).
-  __host__ __device__ static uint32_t held_before(uint32_t seq, uint32_t pages) {
-    const uint32_t s = seq + 2u * pages - 1u;
-    return s % pages | pages << 8 | ((s / pages) & 1u) << 31;
-  }
+  // Ring slot of page `cur` with its full-barrier parity in bit 31 (set by the first at()).
+  // Kept as it moves instead of derived from seq: NUM_PAGES is rarely a power of two, and a
+  // division per page per warp sat on the walk's critical path (ncu source counters,
+  // perf-log). One register: every live value of the walk costs the big builds spills.
+  uint32_t held = 0;
 
   // Shared-memory address of page i (cur <= i < count: pages are visited in order, and the
   // ones before cur are released), after waiting for it to land.
@@ -92,20 +82,20 @@ struct PageCursor {
   // Whether page cur + 1 has landed (cur >= 0), without blocking: a walk passes the answer to
   // peek(), which waits only when it is false (ncu, an older walk: the wait on a blocking check's
   // result, and the branches of at(), were half the walk).
-  // Sound a page ahead: the slot's previous page (cur + 1 - ring pages <= cur) has landed, so
+  // Sound a page ahead: the slot's previous page (cur + 1 - NUM_PAGES <= cur) has landed, so
   // the phase tested is the next page's.
   __device__ __forceinline__ bool next_landed() const {
     const uint32_t h = after(held);
-    return ptx::mbar_test_wait(full + 8u * (h & 0xffu), h >> 31);
+    return ptx::mbar_test_wait(full + 8u * (h & 0x7fffffffu), h >> 31);
   }
   // Page cur + 1's address once it has landed (`landed`: next_landed() said so), page cur still
   // held: a walk loads page cur + 1's fragments before its MMAs on page cur's, then steps.
   // Two pages held at once is sound for any ring of two pages or more (page cur + 1's slot held
-  // page cur + 1 - ring pages < cur, released).
+  // page cur + 1 - NUM_PAGES < cur, released).
   __device__ __forceinline__ uint32_t peek(bool landed) const {
     const uint32_t h = after(held);
     if (!landed) wait_for(h);
-    return ring + (h & 0xffu) * (uint32_t)PAGE_BYTES;
+    return ring + (h & 0x7fffffffu) * (uint32_t)PAGE_BYTES;
   }
   // From page cur (held) to page cur + 1, which a peek() saw land: release, advance.
   // Straight-line: the common step of a walk.
@@ -122,20 +112,20 @@ struct PageCursor {
   }
 
  private:
-  __device__ __forceinline__ uint32_t slot() const { return held & 0xffu; }
+  __device__ __forceinline__ uint32_t slot() const { return held & 0x7fffffffu; }
   // The held word of the page after the one `h` describes.
   __device__ __forceinline__ static uint32_t after(uint32_t h) {
-    return (h & 0xffu) + 1 == ((h >> 8) & 0xffu) ? (h & ~0xffu) ^ 0x80000000u  // slot 0, next phase
-                                                  : h + 1;
+    return (h & 0x7fffffffu) + 1 == (uint32_t)NUM_PAGES ? (h & 0x80000000u) ^ 0x80000000u  // slot 0, next phase
+                                                         : h + 1;
   }
   __device__ __forceinline__ void next() {  // cur -> cur + 1
-    held = after(held);
+    held = cur < 0 ? seq % NUM_PAGES | ((seq / NUM_PAGES) & 1u) << 31 : after(held);
     ++cur;
   }
   // Wait for the page the held word h describes to land; a page that never lands means a
   // runtime bug: trap.
   __device__ __forceinline__ void wait_for(uint32_t h) const {
-    const uint32_t bar = full + 8u * (h & 0xffu), parity = h >> 31;
+    const uint32_t bar = full + 8u * (h & 0x7fffffffu), parity = h >> 31;
     if (!ptx::mbar_try_wait(bar, parity)) {
       const unsigned long long t0 = ptx::globaltimer();
       while (!ptx::mbar_try_wait(bar, parity))
@@ -146,7 +136,7 @@ struct PageCursor {
   // counts NUM_THREADS), so its reads are ordered before its own arrive with no warp sync and no
   // lane-0 branch on the walk.
   __device__ __forceinline__ void release_held() const {
-    ptx::mbar_arrive(full + 8u * (MAX_PAGES + slot()));
+    ptx::mbar_arrive(full + 8u * (NUM_PAGES + slot()));
   }
 };
 
@@ -157,7 +147,6 @@ struct TaskArgs {
   int step;
   uint32_t gstep;
   char* smem;
-  int smem_bytes;
   const Params* p;
   PageCursor pages;
 #ifdef MPK_PROFILE
