@@ -8,13 +8,10 @@ from __future__ import annotations
 import pytest
 
 from mpk.backends.cuda import codegen
-from mpk.compiler import record
 from mpk.compiler.lower import compile_graph
 from mpk.graph.graph import DEFAULT_NUM_SMS
 from mpk.models.builder import DecodeShape, build_graph
 from mpk.models.config import get_preset
-from mpk.tasks.base import PAGE_BYTES
-from mpk.tasks.registry import get_kind
 from mpk.tasks.linear.task import (ACC_BUDGET, MAX_BATCH, chunk_k, min_tasks, x_budget,
                                    staged_bytes, staged_rows)
 
@@ -27,7 +24,6 @@ def test_the_largest_batch_keeps_enough_weight_pages(model: str) -> None:
     # streamed as fast with 4 pages as with 11, docs/perf-log.md).
     pages = codegen.num_pages(plan.scratch_bytes)
     assert pages >= codegen.MIN_PAGES, (model, plan.scratch_bytes, pages)
-    _check_fits_with_borrowed_pages(plan)
 
 
 def test_min_tasks_caps_the_sums_of_a_chunked_input() -> None:
@@ -56,31 +52,3 @@ def test_batch_16_stages_a_k_of_3072_in_one_chunk() -> None:
     assert chunk_k(16, 3072) == 3072
     assert chunk_k(16, 4096) < 4096
     assert chunk_k(8, 4096) == 4096
-
-
-
-def _check_fits_with_borrowed_pages(plan) -> None:  # type: ignore[no-untyped-def]
-    """The CUDA task scratch is sized without the ring pages a kind borrows (attention's
-    staging: record.BLANK), so each task's whole layout must fit those pages plus the scratch,
-    the ring must hold them, and every record carries its op's count."""
-    pages = codegen.num_pages(plan.scratch_bytes)
-    scratch = codegen.task_scratch_bytes(plan.scratch_bytes)
-    borrowed_by_op = {}
-    for index, op in enumerate(plan.ops):
-        kind, view = get_kind(op.kind), plan.op_view(index)
-        borrowed = kind.borrowed_pages(view)
-        assert borrowed <= min(pages, codegen.MIN_PAGES), (op.name, borrowed, pages)
-        assert kind.scratch_bytes(view) <= scratch + borrowed * PAGE_BYTES, (op.name, scratch)
-        borrowed_by_op[index] = borrowed
-    recs = [plan.instrs[sm, i] for sm in range(plan.num_sms) for i in range(plan.lengths[sm])]
-    assert all(int(r[record.BLANK]) == borrowed_by_op[int(r[record.OP])] for r in recs)
-    assert any(int(r[record.BLANK]) > 0 for r in recs)  # attention borrows its staging pages
-
-
-@pytest.mark.parametrize("model,pages", [("qwen3-0.6b", 12), ("qwen3-8b", 11),
-                                         ("llama-3.1-8b", 11), ("qwen3-30b-a3b", 12)])
-def test_batch_1_rings_are_sized_without_attention_staging(model: str, pages: int) -> None:
-    # With attention's 64 KB of staging in the plan's scratch these rings had 8 pages.
-    plan = compile_graph(build_graph(get_preset(model), DecodeShape(batch=1)), DEFAULT_NUM_SMS)
-    assert codegen.num_pages(plan.scratch_bytes) == pages
-    _check_fits_with_borrowed_pages(plan)

@@ -100,19 +100,8 @@ def _cuda_constants(ops: list[TiledOp]) -> tuple[tuple[str, int], ...]:
 
 
 def _scratch_bytes(ops: list[TiledOp]) -> int:
-    need = max((op.kind.scratch_bytes(op.view) - op.kind.borrowed_pages(op.view) * PAGE_BYTES
-                for op in ops), default=0)
+    need = max((op.kind.scratch_bytes(op.view) for op in ops), default=0)
     return max(SCRATCH_ROUND, -(-need // SCRATCH_ROUND) * SCRATCH_ROUND)
-
-
-def _borrowed_pages(op: TiledOp, layout: StreamLayout | None) -> int:
-    borrowed = op.kind.borrowed_pages(op.view)
-    # The runtime keeps at least MIN_PAGES (4) pages; a task that streams weights walks them
-    # and cannot also hold pages of its own.
-    if borrowed and (layout is not None or not 0 < borrowed <= 4):
-        raise AssertionError(f"{op.kind.name}: {borrowed} borrowed pages (at most 4, and only "
-                             "for tasks without a weight stream)")
-    return borrowed
 
 
 def _op_params(ops: list[TiledOp], flags: Flags) -> np.ndarray:
@@ -140,7 +129,6 @@ def _records(ops: list[TiledOp], counters: CounterPlan, sched: Schedule,
             task = op.first_task + local
             rec = _record_of(op, local, task, kind_id, slots, counters, tensor_ids, graph)
             rec[record.POLLED] = flags.polled[task]
-            rec[record.BLANK] = _borrowed_pages(op, layouts[op.index])
             _stream_fields(rec, layouts[op.index], local, stream_ids.get(op.index, -1))
             sm = int(sched.sm_of_task[task])
             instrs[sm, fill[sm]] = rec

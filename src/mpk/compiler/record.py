@@ -34,10 +34,7 @@ STREAM_RUNS = 63
 # Bit POLLS set: the task polls flagged data (skipped waits or not): the storer watches it.
 POLLED = 69
 POLLS = 1 << 8
-# Shared-memory pages the task borrows from the CUDA runtime's weight ring as scratch
-# (TaskKind.borrowed_pages): the ring's last BLANK slots, directly before the task scratch.
-BLANK = 70
-END = 71
+END = 70
 
 # The last FLAG_ENTRIES words of an op's parameter row belong to the compiler: one entry per
 # flagged operand of the op (compiler/flags.py encodes them), zero when unused. A kind's own

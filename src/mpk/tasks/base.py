@@ -230,14 +230,6 @@ class TaskKind:
         runtime's scratch size, and the rest of shared memory becomes weight pages."""
         return 16 * 1024
 
-    def borrowed_pages(self, op: OpView) -> int:
-        """Of scratch_bytes, the leading whole pages (PAGE_BYTES each) a task takes from the
-        CUDA runtime's weight ring instead of the scratch (record.BLANK): the plan's scratch is
-        sized without them, so every SM keeps those pages for weights while no such task runs.
-        The kernel finds them directly before TaskArgs::smem and must claim and release them
-        (common/borrow.cuh) on every path; its prologue may not touch them."""
-        return 0
-
     # Compile-time constants the kind's CUDA code reads (name -> default); a plan's ops may raise
     # them (cuda_constants), the build takes the largest value over the plan's ops.
     cuda_defaults: ClassVar[Mapping[str, int]] = {}

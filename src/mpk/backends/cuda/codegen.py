@@ -36,8 +36,8 @@ CSRC_DIR = Path(__file__).parent / "csrc"
 TEMPLATE = CSRC_DIR / "megakernel.cu.in"
 
 # Bump when Params, the error buffer or the exported host functions change meaning.
-ABI_VERSION = 6  # 2: Params.profile; 3: tensor-parallel peers; 4: warp roles, weight pages;
-# 5: flagged activations (record POLLED, the params' flag entries); 6: borrowed pages (BLANK)
+ABI_VERSION = 5  # 2: Params.profile; 3: tensor-parallel peers; 4: warp roles, weight pages;
+# 5: flagged activations (record POLLED, the params' flag entries)
 NUM_THREADS = 256  # consumer threads: what a task runs on (the runtime adds a producer warpgroup)
 RUNTIME_THREADS = NUM_THREADS + 128
 PAGE_BYTES = base.PAGE_BYTES

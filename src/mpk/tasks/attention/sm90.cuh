@@ -70,10 +70,8 @@ struct Ctx {
   uint32_t qkv_ep, out_ep;  // epochs of a flagged qkv / out (common/flags.cuh; 0: plain)
 };
 
-// Shared memory (one (row, head) at a time): wo and kst lie in the ring pages the task borrows
-// (task.py borrowed_pages; they end where a.smem starts; run() claims them, the prologue never
-// touches them), the rest in a.smem:
-//   wo [kWarps][8][D] f32 | kst [kWarps][16][D] bf16 (a block's keys; kStageKeys) ||
+// Shared memory (one (row, head) at a time):
+//   wo [kWarps][8][D] f32 | kst [kWarps][16][D] bf16 (a block's keys; kStageKeys) |
 //   wm, wl [kWarps][8] f32 | ps [kWarps][2][8][16] bf16 |
 //   qs [G][D] bf16 (prepared queries) | knew, vnew [B][D] bf16 (this step's keys and values, by
 //   position from the split's first one: at most B, a run's width) |
@@ -85,11 +83,10 @@ constexpr bool kStageKeys = ATTN_MAX_HEAD_DIM <= 128;
 
 struct Layout {
   int wo, kst, wm, wl, ps, qs, knew, vnew, buf, pre, rope, norm, pages, max_pages;
-  // borrowed: the bytes of the ring pages before a.smem (run(); the prologue passes 0)
-  __device__ Layout(const Ctx& c, int borrowed) {
-    wo = -borrowed;
+  __device__ Layout(const Ctx& c) {
+    wo = 0;
     kst = wo + kWarps * 8 * c.D * 4;
-    wm = 0;
+    wm = kst + (kStageKeys ? kWarps * 16 * c.D * 2 : 0);
     wl = wm + kWarps * 8 * 4;
     ps = wl + kWarps * 8 * 4;
     qs = ps + kWarps * 2 * 8 * 16 * 2;
@@ -426,10 +423,6 @@ __device__ __forceinline__ void attend(const mpk::TaskArgs& a, const Ctx& c, con
     *reinterpret_cast<float2*>(wow + (2 * t) * D + d) = make_float2(ot[0], ot[2]);
     *reinterpret_cast<float2*>(wow + (2 * t + 1) * D + d) = make_float2(ot[1], ot[3]);
   }
-  // The pass's last writes to wo and kst (borrowed ring pages): ordered before the loader's
-  // next bulk copy into them (async proxy) here, before out's global stores are in flight (the
-  // fence waits for this thread's outstanding memory operations).
-  ptx::fence_proxy_async_smem();
   mpk::task_sync();
   a.mark(1);  // profiling: every warp's positions are attended (the last pass's mark stays)
 
@@ -588,7 +581,7 @@ MPK_TASK_ENTRY void prologue(const mpk::TaskArgs& a) {
   using namespace detail;
   const Ctx c = ctx_of(a);
   if (!supported(c)) return;  // uniform; run() returns too
-  const Layout L(c, 0);
+  const Layout L(c);
   Setup st;
   st.valid = row_setup(c, L, a.smem, a.point(2), a.step, st.p, st.f0, st.crow, st.R);
   // Stored before the loads below, so that only p and f0 stay live across them (register
@@ -609,12 +602,12 @@ MPK_TASK_ENTRY void prologue(const mpk::TaskArgs& a) {
   mpk::task_sync();
 }
 
-namespace detail {
-__device__ __forceinline__ void run_claimed(const mpk::TaskArgs& a) {
+MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
+  using namespace detail;
   const Ctx c = ctx_of(a);
   if (!supported(c)) return;
   // One KV head and one batch row per task (task.py: grid (KVH, B, S)).
-  const Layout L(c, a.borrowed_bytes());
+  const Layout L(c);
   const Setup st = *reinterpret_cast<const Setup*>(a.smem + L.pre);
   // A flagged qkv is polled on every path, an empty row's too: the controller skipped this
   // task's qkv wait, and what follows it (o_proj's rewrite of hidden, which qkv reads) is
@@ -624,7 +617,6 @@ __device__ __forceinline__ void run_claimed(const mpk::TaskArgs& a) {
     mpk::task_sync();
   }
   if (!st.valid) {
-    ptx::fence_proxy_async_smem();  // a staged qkv's writes to wo (borrowed: see attend)
     write_empty(a, c, 0, 0);
     return;
   }
@@ -636,15 +628,6 @@ __device__ __forceinline__ void run_claimed(const mpk::TaskArgs& a) {
   // registers; one instantiation per build keeps the smaller heads' register budget.
   for (int g0 = 0; g0 < c.G; g0 += 8)
     attend<ATTN_MAX_HEAD_DIM>(a, c, L, a.smem, 0, 0, g0, a.point(2), R);
-}
-
-}  // namespace detail
-
-// The staging pages are claimed and released on every path (the loader waits for them).
-MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
-  a.claim_borrowed();
-  detail::run_claimed(a);
-  a.release_borrowed();
 }
 
 }  // namespace mpk::kinds::attention

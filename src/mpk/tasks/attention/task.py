@@ -30,8 +30,7 @@ import math
 import torch
 
 from mpk.dtypes import DType
-from mpk.tasks.base import (PAGE_BYTES, Access, OpView, OperandSpec, Param, TaskCost,
-                             TaskKind, Tile)
+from mpk.tasks.base import Access, OpView, OperandSpec, Param, TaskCost, TaskKind, Tile
 from mpk.tasks.numerics import bf16, rmsnorm_rows
 from mpk.tasks import runs
 from mpk.tasks.registry import register
@@ -181,15 +180,10 @@ class Attention(TaskKind):
         # setup, RoPE rows (one per batch row) and norm weights, >= 1024 page-table entries
         d = op.shape("k_cache")[3]
         group, batch = self.param_values(op)["group"], op.shape("qkv")[0]
-        return (self.borrowed_pages(op) * PAGE_BYTES + 2 * 8 * 8 * 4 + 8 * 2 * 8 * 16 * 2
+        keys = 8 * 16 * d * 2 if d <= SMALL_HEAD_DIM else 0
+        return (8 * 8 * d * 4 + keys + 2 * 8 * 8 * 4 + 8 * 2 * 8 * 16 * 2
                 + -(-group * d * 2 // 16) * 16
                 + 2 * batch * d * 2 + 8 * d * 4 + 64 + batch * d * 4 + 2 * d * 4 + 4096)
-
-    def borrowed_pages(self, op: OpView) -> int:
-        # The warps' O states and staged keys (64 KB at head_dim 128, used by run() only) lie in
-        # pages borrowed from the weight ring, so the plan's scratch (and every SM's ring depth)
-        # is sized by the other kinds (linear: 17-39 KB).
-        return -(-_staging_bytes(op.shape("k_cache")[3]) // PAGE_BYTES)
 
     def reference(self, tile: Tile) -> None:
         p = self.param_values(tile.op)
@@ -253,12 +247,6 @@ class Attention(TaskKind):
         batch = op.tile_shape("qkv")[0]
         kv_bytes = batch * 2 * 1024 * heads * d * 2 // op.grid[2]
         return TaskCost(weight_bytes=0, act_bytes=kv_bytes, flops=kv_bytes * 2)
-
-
-def _staging_bytes(d: int) -> int:
-    """Layout's wo (8 warps x 8 heads x D f32) and kst (8 warps x 16 keys x D bf16: heads up to
-    SMALL_HEAD_DIM)."""
-    return 8 * 8 * d * 4 + (8 * 16 * d * 2 if d <= SMALL_HEAD_DIM else 0)
 
 
 def _partial(q: torch.Tensor, tile: Tile, lo: int, hi: int, p: dict,

@@ -90,8 +90,7 @@ struct __align__(16) Slot {
   int step, index, stop, bad_kind;
   uint32_t page_seq;                          // ring sequence number of the record's page 0
   uint32_t gstep;                             // global step, low 32 bits (flag epochs)
-  int blank;                                  // ring pages borrowed (record BLANK; 0: none)
-  int pad;
+  int pad[2];
   // Profiling stamps, placed last so t_wait keeps the offset scripts/probe_phases.py patches.
   unsigned long long t_ready, t_done;
   unsigned long long t_mark[2];               // the kind's INPUT and COMPUTE marks
@@ -249,9 +248,7 @@ __device__ __forceinline__ void fetcher(const Params& p, Shared& sh, const int* 
       slot.bad_kind = kind < 0 || kind >= MPK_NUM_KINDS;
       if (slot.bad_kind) slot.stream = 0ull;  // a corrupt record: the loader copies nothing
       slot.page_seq = seq;
-      slot.blank = slot.bad_kind ? 0 : slot.rec[REC_BLANK];
       if (slot.stream != 0ull) seq += (uint32_t)pages_of(slot.rec);
-      else if (slot.blank > 0) seq += borrow_lead(seq, slot.blank) + (uint32_t)slot.blank;
       ptx::mbar_arrive(ptx::smem_u32(&sh.bars.loaded[sl]));
     }
     if (++i == len) {
@@ -313,8 +310,6 @@ __device__ __forceinline__ void loader(const Params& p, Shared& sh, uint32_t rin
       counts[r] = src ? slot.rec[REC_STREAM_RUNS + REC_RUN_STRIDE * r] : 0;
       sizes[r] = (uint32_t)slot.rec[REC_STREAM_RUNS + REC_RUN_STRIDE * r + 1];
     }
-    const uint32_t lead = slot.blank > 0 ? borrow_lead(seq, slot.blank) : 0u;
-    const uint32_t blank = lead + (uint32_t)slot.blank;
     ptx::mbar_arrive(ptx::smem_u32(&sh.bars.freed[sl]));  // done reading the slot
 #pragma unroll
     for (int r = 0; r < REC_MAX_RUNS; ++r) {
@@ -328,19 +323,6 @@ __device__ __forceinline__ void loader(const Params& p, Shared& sh, uint32_t rin
         ptx::bulk_copy_g2s(ring + ps * (uint32_t)PAGE_BYTES, src, sizes[r], full, policy);
         src += sizes[r];
       }
-    }
-    // Borrowed pages (TaskArgs::claim_borrowed): handed over, nothing copied. Their lead pages
-    // only skip slots: the loader passes each through both phases itself as soon as its slot is
-    // free, so the pages after the record stream in as early as without it (measured: lead
-    // pages released by the task held the next ops' prefetch back until the task began, and
-    // the copies then ran beside it: attention +1.2 us a layer).
-    for (uint32_t b = 0; b < blank; ++b, ++seq) {
-      const uint32_t ps = seq % NUM_PAGES, pround = seq / NUM_PAGES;
-      if (!wait_unless_gone(ptx::smem_u32(&sh.bars.empty[ps]), (pround & 1u) ^ 1u,
-                            &sh.consumers_gone))
-        return drain(sh, seq, p.timeout_ns);
-      ptx::mbar_arrive(ptx::smem_u32(&sh.bars.full[ps]));
-      if (b < lead) ptx::mbar_arrive_count(ptx::smem_u32(&sh.bars.empty[ps]), NUM_THREADS);
     }
   }
 }

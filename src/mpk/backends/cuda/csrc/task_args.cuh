@@ -36,14 +36,6 @@
 
 namespace mpk {
 
-// Blank pages a record that borrows `count` ring pages (record BLANK) takes first, so that its
-// borrowed pages end at the ring's last slot, directly before the task scratch (one block with
-// it). The fetcher and the loader both count them; the task claims and releases them
-// (TaskArgs::claim_borrowed).
-__device__ __forceinline__ uint32_t borrow_lead(uint32_t seq, int count) {
-  return ((uint32_t)(2 * NUM_PAGES - count) - seq % (uint32_t)NUM_PAGES) % (uint32_t)NUM_PAGES;
-}
-
 // For kinds that poll flagged data (common/flags.cuh Poll), in shared memory so that a task keeps
 // no register for them: the launch's stop flag; the position (in this launch's walk of the list,
 // steps included) of the record the consumers run; and that of the first record whose poll gave
@@ -104,14 +96,6 @@ struct PageCursor {
     const uint32_t h = after(held);
     if (!landed) wait_for(h);
     return ring + (h & 0x7fffffffu) * (uint32_t)PAGE_BYTES;
-  }
-  // Wait for the page of ring sequence number s to land (borrowed pages: claim_borrowed).
-  __device__ __forceinline__ void wait_seq(uint32_t s) const {
-    wait_for(s % (uint32_t)NUM_PAGES | ((s / (uint32_t)NUM_PAGES) & 1u) << 31);
-  }
-  // This thread is done with ring slot `slot` (borrowed pages: release_borrowed).
-  __device__ __forceinline__ void release_slot(uint32_t slot) const {
-    ptx::mbar_arrive(full + 8u * ((uint32_t)NUM_PAGES + slot));
   }
   // From page cur (held) to page cur + 1, which a peek() saw land: release, advance.
   // Straight-line: the common step of a walk.
@@ -187,28 +171,6 @@ struct TaskArgs {
     return reinterpret_cast<T*>(base[slot]) + off;
   }
   __device__ __forceinline__ bool has(int slot) const { return base[slot] != 0ull; }
-
-  // Ring pages the task borrows (record BLANK, TaskKind.borrowed_pages): the borrowed_bytes()
-  // before smem, one block with it. claim_borrowed() waits until the loader handed every
-  // borrowed page over (an arrive on its full barrier once the slot's last page was released;
-  // no copy); release_borrowed() gives them back. Every consumer thread calls both once, on
-  // every path, claim before its first access of a borrowed page and release after its last;
-  // the prologue may not touch them. A thread
-  // that wrote a borrowed page runs ptx::fence_proxy_async_smem() after its last write (the
-  // loader's next bulk copy, async proxy, lands there): early, since it waits for the thread's
-  // outstanding memory operations (global stores in flight cost a round trip).
-  __device__ __forceinline__ int borrowed_bytes() const { return rec[REC_BLANK] * PAGE_BYTES; }
-  // The loader hands the borrowed pages over by plain arrives in order (their lead pages it
-  // passes through both phases itself), so the last one handed over means all were.
-  __device__ __forceinline__ void claim_borrowed() const {
-    const int count = rec[REC_BLANK];
-    if (count > 0)
-      pages.wait_seq(pages.seq + borrow_lead(pages.seq, count) + (uint32_t)count - 1);
-  }
-  __device__ __forceinline__ void release_borrowed() const {
-    const int count = rec[REC_BLANK];
-    for (int j = 0; j < count; ++j) pages.release_slot((uint32_t)(NUM_PAGES - count + j));
-  }
   __device__ __forceinline__ int i(int p) const { return params[p]; }
   __device__ __forceinline__ float f(int p) const { return __int_as_float(params[p]); }
   // Grid coordinate of this task along axis 0, 1 or 2.
