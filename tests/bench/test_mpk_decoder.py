@@ -3,12 +3,18 @@ as the baseline's, so the bench's agreement count compares like with like."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from mpk.bench.baseline import DecodeLoop, StaticDecoder
 from mpk.bench.job import tokens_agree
-from mpk.bench.mpk_decoder import MpkDecoder
+from mpk.bench.mpk_decoder import MpkDecoder, decode_shape
 from mpk.bench.runner import bench_prompt
 from mpk.models.config import get_preset
 from mpk.models.reference import ReferenceModel
@@ -17,6 +23,7 @@ from mpk.testing import greedy_mismatches
 
 MAX_SEQ = 64
 TOKENS = 8
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _min_margin(ref: ReferenceModel, prompt: list[int], tokens: list[int]) -> float:
@@ -65,3 +72,27 @@ def test_tokens_agree_counts_positions() -> None:
     # A list shifted by one position, the old bug: comparing it at all is an error.
     with pytest.raises(ValueError, match="different lengths"):
         tokens_agree([2, 3, 4], [1, 2, 3, 4])
+
+
+def test_the_decoder_compiles_the_shape_ab_decode_prebuilds() -> None:
+    """scripts/ab_decode.py --build-only compiles decode_shape(...) so that the timed run finds
+    its build cached: MpkDecoder must compile exactly that shape."""
+    cfg = get_preset("tiny-qwen3")
+    prompt = bench_prompt(cfg, 1, 6, seed=0)
+    decoder = MpkDecoder(cfg, random_weights(cfg, seed=0), prompt, new_tokens=10, backend="cpu")
+    assert decoder.shape == decode_shape(1, 6, 10)
+    assert decode_shape(2, 16, 50) != decode_shape(2, 16, 51)  # the pages follow the tokens
+
+
+@pytest.mark.nvcc
+def test_ab_decode_build_only_builds_then_finds_the_build(tmp_path: Path) -> None:
+    env = {**os.environ, "MPK_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, str(ROOT / "scripts" / "ab_decode.py"), "--model", "tiny-qwen3",
+           "--build-only"]
+    runs = [subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
+                           check=False) for _ in range(2)]
+    for done in runs:
+        assert done.returncode == 0, done.stderr[-2000:]
+    first, second = (json.loads(done.stdout.strip().splitlines()[-1]) for done in runs)
+    assert not first["cached"] and second["cached"]
+    assert first["ptxas"]["registers"] > 0 and first["ptxas"]["spill_stores"] == 0

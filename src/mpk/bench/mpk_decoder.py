@@ -15,6 +15,15 @@ from mpk.models.config import ModelConfig
 from mpk.parallel.tp import RankView, TensorParallel
 
 
+def decode_shape(batch: int, prompt_len: int, new_tokens: int, page_size: int = 16
+                 ) -> DecodeShape:
+    """The plan shape MpkDecoder compiles: one launch holds the prompt or `new_tokens` steps,
+    the pages hold the prompt, the new tokens and one more position."""
+    pages = -(-(prompt_len + new_tokens + 1) // page_size)
+    return DecodeShape(batch=batch, steps_per_launch=max(prompt_len, new_tokens),
+                       page_size=page_size, max_pages=pages, num_pages=batch * pages)
+
+
 class MpkDecoder:
     """`step(n)` runs n greedy decode steps in one launch starting at position len(prompt).
 
@@ -28,9 +37,7 @@ class MpkDecoder:
         batch, self.prompt_len = prompt.shape
         if num_sms is None:
             num_sms = get_backend(backend).num_sms()
-        pages = -(-(self.prompt_len + new_tokens + 1) // page_size)
-        self.shape = DecodeShape(batch=batch, steps_per_launch=max(self.prompt_len, new_tokens),
-                                 page_size=page_size, max_pages=pages, num_pages=batch * pages)
+        self.shape = decode_shape(batch, self.prompt_len, new_tokens, page_size)
         t0 = time.perf_counter()
         graph = build_graph(cfg, self.shape, num_sms=num_sms, tp=tp)
         self.plan = compile_cached(graph, num_sms)

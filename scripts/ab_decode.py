@@ -1,0 +1,80 @@
+"""MPK's decode alone (no torch.compile): `mpk bench`'s MPK half on seeded random weights, for
+A/B runs of two source trees on one machine in one call.
+
+    python3 scripts/ab_decode.py --model qwen3-8b --build-only   # nvcc only (no GPU needed)
+    python3 scripts/ab_decode.py --model qwen3-8b                # one JSON line
+
+Run it once per tree with PYTHONPATH=<tree>/src (and a MPK_CACHE_DIR of its own: the plan and
+build caches key on the source, but separate folders keep the trees' builds apart), e.g. HEAD's
+from `git archive HEAD src | tar -x -C /tmp/base`. `--build-only` compiles the exact plan the
+timed run asks for (bench.mpk_decoder.decode_shape), so several trees' and models' nvcc builds
+can run in parallel first. The line holds the tree's mpk path, the ring's pages, `--rounds`
+medians of ms/token (each: 1 warm-up + 3 timed runs of `--new-tokens` steps, CUDA events) and
+row 0's first 16 greedy tokens (identical across trees unless the arithmetic changed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+PROMPT_LEN = 16  # as mpk bench
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--new-tokens", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-pages", type=int, default=None,
+                   help="cap the weight ring (codegen.MAX_PAGES) to time a shallower one")
+    p.add_argument("--build-only", action="store_true")
+    args = p.parse_args()
+
+    import mpk
+    from mpk.backends.cuda import build, codegen
+    from mpk.bench.mpk_decoder import decode_shape
+    from mpk.compiler.cache import compile_cached
+    from mpk.graph.graph import DEFAULT_NUM_SMS
+    from mpk.models.builder import build_graph
+    from mpk.models.config import get_preset
+
+    if args.max_pages is not None:
+        codegen.MAX_PAGES = args.max_pages
+    cfg = get_preset(args.model)
+    t0 = time.perf_counter()
+    if args.build_only:
+        shape = decode_shape(args.batch, PROMPT_LEN, args.new_tokens)
+        plan = compile_cached(build_graph(cfg, shape, num_sms=DEFAULT_NUM_SMS), DEFAULT_NUM_SMS)
+        result = build.build_plan(plan)
+        print(json.dumps({"src": mpk.__file__, "model": args.model, "cached": result.cached,
+                          "s": round(time.perf_counter() - t0, 1), "ptxas": result.ptxas()}))
+        return
+    print(json.dumps(_timed(args, cfg)), flush=True)
+
+
+def _timed(args: argparse.Namespace, cfg) -> dict:  # type: ignore[no-untyped-def]
+    import torch
+
+    import mpk
+    from mpk.backends.cuda import codegen
+    from mpk.bench.mpk_decoder import MpkDecoder
+    from mpk.bench.runner import bench_prompt
+    from mpk.bench.timing import time_decode
+    from mpk.models.weights import random_weights
+
+    weights = random_weights(cfg, 0, torch.device("cuda", 0))
+    decoder = MpkDecoder(cfg, weights, bench_prompt(cfg, args.batch, PROMPT_LEN, 0),
+                         args.new_tokens)
+    tokens = decoder.tokens(16)
+    medians = [time_decode(decoder.step, args.new_tokens, warmup=1, repeats=3)["median_ms"]
+               for _ in range(args.rounds)]
+    return {"src": mpk.__file__, "model": args.model, "batch": args.batch,
+            "pages": codegen.num_pages(decoder.plan.scratch_bytes),
+            "ms": [round(m, 4) for m in medians], "tokens": tokens}
+
+
+if __name__ == "__main__":
+    main()
