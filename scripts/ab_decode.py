@@ -7,8 +7,8 @@ A/B runs of two source trees on one machine in one call.
 Run it once per tree with PYTHONPATH=<tree>/src (and a MPK_CACHE_DIR of its own: the plan and
 build caches key on the source, but separate folders keep the trees' builds apart), e.g. HEAD's
 from `git archive HEAD src | tar -x -C /tmp/base`. `--build-only` compiles the exact plan the
-timed run asks for (bench.mpk_decoder.decode_shape), so several trees' and models' nvcc builds
-can run in parallel first. The line holds the tree's mpk path, the ring's pages, `--rounds`
+timed run asks for on a GPU of the Graph's default SM count (the H200's 132; bench.mpk_decoder
+.decode_shape), so several trees' and models' nvcc builds can run in parallel first. The line holds the tree's mpk path, the ring's pages, `--rounds`
 medians of ms/token (each: 1 warm-up + 3 timed runs of `--new-tokens` steps, CUDA events) and
 row 0's first 16 greedy tokens (identical across trees unless the arithmetic changed).
 """
