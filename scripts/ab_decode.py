@@ -8,9 +8,10 @@ Run it once per tree with PYTHONPATH=<tree>/src (and a MPK_CACHE_DIR of its own:
 build caches key on the source, but separate folders keep the trees' builds apart), e.g. HEAD's
 from `git archive HEAD src | tar -x -C /tmp/base`. `--build-only` compiles the exact plan the
 timed run asks for on a GPU of the Graph's default SM count (the H200's 132; bench.mpk_decoder
-.decode_shape), so several trees' and models' nvcc builds can run in parallel first. The line holds the tree's mpk path, the ring's pages, `--rounds`
-medians of ms/token (each: 1 warm-up + 3 timed runs of `--new-tokens` steps, CUDA events) and
-row 0's first 16 greedy tokens (identical across trees unless the arithmetic changed).
+.decode_shape), so several trees' and models' nvcc builds can run in parallel first. The line
+holds the tree's mpk path, the ring's pages, `--rounds` medians of ms/token (each: 1 warm-up +
+3 timed runs of `--new-tokens` steps, CUDA events) and row 0's first greedy tokens (as many as
+mpk bench checks; identical across trees unless the arithmetic changed).
 """
 
 from __future__ import annotations
@@ -19,7 +20,19 @@ import argparse
 import json
 import time
 
-PROMPT_LEN = 16  # as mpk bench
+import torch
+
+import mpk
+from mpk.backends.cuda import build, codegen
+from mpk.bench.job import CHECK_TOKENS, PROMPT_LEN
+from mpk.bench.mpk_decoder import MpkDecoder, decode_shape
+from mpk.bench.runner import bench_prompt
+from mpk.bench.timing import time_decode
+from mpk.compiler.cache import compile_cached
+from mpk.graph.graph import DEFAULT_NUM_SMS
+from mpk.models.builder import build_graph
+from mpk.models.config import ModelConfig, get_preset
+from mpk.models.weights import random_weights
 
 
 def main() -> None:
@@ -32,15 +45,6 @@ def main() -> None:
                    help="cap the weight ring (codegen.MAX_PAGES) to time a shallower one")
     p.add_argument("--build-only", action="store_true")
     args = p.parse_args()
-
-    import mpk
-    from mpk.backends.cuda import build, codegen
-    from mpk.bench.mpk_decoder import decode_shape
-    from mpk.compiler.cache import compile_cached
-    from mpk.graph.graph import DEFAULT_NUM_SMS
-    from mpk.models.builder import build_graph
-    from mpk.models.config import get_preset
-
     if args.max_pages is not None:
         codegen.MAX_PAGES = args.max_pages
     cfg = get_preset(args.model)
@@ -55,20 +59,11 @@ def main() -> None:
     print(json.dumps(_timed(args, cfg)), flush=True)
 
 
-def _timed(args: argparse.Namespace, cfg) -> dict:  # type: ignore[no-untyped-def]
-    import torch
-
-    import mpk
-    from mpk.backends.cuda import codegen
-    from mpk.bench.mpk_decoder import MpkDecoder
-    from mpk.bench.runner import bench_prompt
-    from mpk.bench.timing import time_decode
-    from mpk.models.weights import random_weights
-
+def _timed(args: argparse.Namespace, cfg: ModelConfig) -> dict:
     weights = random_weights(cfg, 0, torch.device("cuda", 0))
     decoder = MpkDecoder(cfg, weights, bench_prompt(cfg, args.batch, PROMPT_LEN, 0),
                          args.new_tokens)
-    tokens = decoder.tokens(16)
+    tokens = decoder.tokens(CHECK_TOKENS)
     medians = [time_decode(decoder.step, args.new_tokens, warmup=1, repeats=3)["median_ms"]
                for _ in range(args.rounds)]
     return {"src": mpk.__file__, "model": args.model, "batch": args.batch,
