@@ -233,3 +233,19 @@ def test_a_batch_of_16_is_checked_row_by_row() -> None:
                                             seed=3, weights=weights, batch=16)}
     assert not wrong["hidden after layer 0"].passed
     assert not wrong["whole model: logits vs reference model"].passed
+
+
+def test_cpu_check_with_attention_query_head_parts() -> None:
+    """A group of 8 query heads a KV head: at batch 1 on 132 SMs the builder parts each KV
+    head's query heads over four attention tasks (models/builder.py _query_parts); every
+    layer's buffers and the whole model still match the reference."""
+    import dataclasses
+
+    from mpk.models.builder import DecodeShape, build_graph
+
+    cfg = dataclasses.replace(get_preset("tiny-qwen3"), num_heads=8, num_kv_heads=1)
+    assert cfg.group == 8
+    graph = build_graph(cfg, DecodeShape(max_pages=4), num_sms=132)  # as run_check: one split
+    assert {op.grid for op in graph.ops if op.kind == "attention"} == {(4, 1, 1)}
+    rows = run_check(cfg, range(2), "cpu", seed=0, num_sms=132)
+    assert rows and all(r.passed for r in rows), [r for r in rows if not r.passed]

@@ -9,7 +9,8 @@ agree on:
              that meet a row group, the accumulator chain each unit goes to: geometry.py,
              sm90.cuh) and xc, the k per staged chunk (chunks are added in fp32 one after the
              other; the fused rmsnorm's sums of squares too): every linear param but the batch;
-  attention  the KV split count (a split's positions, then attention_merge's sum over splits).
+  attention  the KV split count (a split's positions, then attention_merge's sum over splits);
+             not its query-head parts (a head's arithmetic is its own: tasks/attention).
 Every other kind computes a row the same way in a plan of any batch: the batch only decides how
 many rows a task takes or which task takes a row (rmsnorm: a row's sum in a fixed warp order;
 moe_router / moe_gate_up / moe_down: a row's or pair's dot products in one warp, its slots in
@@ -57,8 +58,9 @@ def numerics(views: list[OpView]) -> dict[str, Any]:
         if view.kind in ("linear", "attention", "attention_merge"):
             params = dict(get_kind(view.kind).param_values(view))
             params.pop("batch", None)
+            parts = params.pop("parts", 1)
             out[view.name] = (view.kind, params, view.grid if view.kind == "linear" else
-                              (view.grid[0], view.grid[2]))
+                              (view.grid[0] // parts, view.grid[2]))
         else:
             out[view.name] = view.kind
     return out
@@ -88,6 +90,7 @@ def assert_same_numerics(lone: list[OpView], slots: list[OpView]) -> None:
     ("qwen3-8b", 384),  # inputs staged in chunks at 16 rows (K 4096), lm_head 396 tasks
     ("llama-3.2-1b", 384),  # down's K 8192 in 3 chunks at 16 rows, 1 at one
     ("qwen3-30b-a3b", 384),  # MoE: the router gate and o_proj (K 4096)
+    ("qwen3-30b-a3b", 256),  # one KV split: at one row attention's 8 query heads in 4 parts
 ])
 def test_the_lone_plan_of_a_real_model_rounds_as_the_max_batch_plan(model: str,
                                                                     max_seq_len: int) -> None:

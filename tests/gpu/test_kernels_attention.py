@@ -20,11 +20,27 @@ pytestmark = [pytest.mark.gpu, pytest.mark.nvcc]
 def attention_case(group: int, d: int, splits: int, lengths=(1, 17, 300), steps: int = 1,
                    qk_norm: bool = True, kv_heads: int = 2, max_pos: int | None = None,
                    seed: int = 0, widths: tuple[int, ...] | None = None,
-                   runs: list[list[int]] | None = None, max_pages: int | None = None) -> None:
+                   runs: list[list[int]] | None = None, max_pages: int | None = None,
+                   parts: int = 1) -> None:
     """One row per length, or with `widths` a run of widths[j] rows per length (tasks/runs.py:
     row i of run j starts at position lengths[j] - 1 + i and shares the run's pages). `runs`
     replaces the rows' RUNS words (bad words are clamped alike on both sides); `max_pages`
-    the page table's width."""
+    the page table's width; `parts` the query-head parts of each KV head (task.py)."""
+    graph, inputs, outputs = attention_problem(group, d, splits, lengths, steps, qk_norm,
+                                               kv_heads, max_pos, seed, widths, runs,
+                                               max_pages, parts)
+    cpu, gpu = run_both(graph, inputs, outputs + ["k_cache", "v_cache"], steps=steps)
+    for name in outputs + ["k_cache"]:
+        assert_close(cpu[name], gpu[name], name)
+    assert_close(cpu["v_cache"], gpu["v_cache"], "v_cache", exact=True)
+
+
+def attention_problem(group: int, d: int, splits: int, lengths=(1, 17, 300), steps: int = 1,
+                      qk_norm: bool = True, kv_heads: int = 2, max_pos: int | None = None,
+                      seed: int = 0, widths: tuple[int, ...] | None = None,
+                      runs: list[list[int]] | None = None, max_pages: int | None = None,
+                      parts: int = 1) -> tuple[Graph, dict[str, torch.Tensor], list[str]]:
+    """attention_case's graph (one attention op), its inputs and its outputs' names."""
     g = gen(seed)
     rows = case_rows(g, lengths, widths, runs, steps, max_pages, max_pos)
     starts, runs, table, max_pos = rows.starts, rows.runs, rows.table, rows.max_pos
@@ -57,11 +73,8 @@ def attention_case(group: int, d: int, splits: int, lengths=(1, 17, 300), steps:
         graph.add_tensor("pl", (batch, kv_heads, splits, group), F32, Role.ACTIVATION)
         operands.update(part_o="po", part_lse="pl")
         outputs = ["po", "pl"]
-    graph.add_op("attention", "attn", (kv_heads, batch, splits), operands=operands)
-    cpu, gpu = run_both(graph, inputs, outputs + ["k_cache", "v_cache"], steps=steps)
-    for name in outputs + ["k_cache"]:
-        assert_close(cpu[name], gpu[name], name)
-    assert_close(cpu["v_cache"], gpu["v_cache"], "v_cache", exact=True)
+    graph.add_op("attention", "attn", (kv_heads * parts, batch, splits), operands=operands)
+    return graph, inputs, outputs
 
 
 PAGE_SIZE = 16
@@ -134,6 +147,18 @@ def test_attention_head_dims(d):
                                                   (12, 1, True), (1, 3, False)])
 def test_attention_groups_and_splits(group, splits, qk_norm):
     attention_case(group, 128, splits, qk_norm=qk_norm, seed=group * 10 + splits)
+
+
+@pytest.mark.parametrize("group,parts,d", [(4, 2, 128), (8, 8, 128), (4, 4, 256), (12, 4, 64)])
+def test_attention_query_head_parts(group, parts, d):
+    """Each KV head's query heads over `parts` tasks (the builder's choice at small batches):
+    every part prepares its heads and the head's key and value, part 0 appends."""
+    attention_case(group, d, 1, lengths=(1, 17, 300), steps=2, parts=parts, seed=40 + parts)
+
+
+def test_attention_query_head_parts_with_runs():
+    attention_case(4, 128, 1, lengths=(1, 40, 17, 300), widths=(5, 1, 3, 1), steps=2, parts=2,
+                   seed=47)
 
 
 def test_attention_steps_and_long():

@@ -7,6 +7,7 @@ cached): it passed on the H200 by timing until a kernel change moved the read ea
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.gpu.test_kernels_attention import BAD_RUN_WORDS, case_rows
 from tests.gpu.kernel_helpers import gen
@@ -34,3 +35,36 @@ def test_bad_run_words_on_rows_of_one_sequence_are_refused() -> None:
     # while row 0 writes it in the same step.
     with pytest.raises(AssertionError, match="row 1 reads position 2 from the cache while row 0"):
         case_rows(gen(0), (3, 20, 9), (2, 1, 2), BAD_RUN_WORDS, 2, None, None)
+
+
+@pytest.mark.parametrize("group,parts,widths", [(4, 2, None), (8, 4, None), (4, 4, (5, 1, 3))])
+def test_query_head_parts_change_no_value(group, parts, widths) -> None:
+    """Query-head parts (task.py) split the work, not the arithmetic: on the interpreter every
+    output and both caches equal the unparted op's bit for bit, over two steps (the second reads
+    the keys the first appended: only part 0 appends)."""
+    from mpk.backends.registry import create_executor
+    from mpk.compiler.lower import compile_graph
+    from tests.gpu.test_kernels_attention import attention_problem
+
+    lengths = (1, 17, 30)
+    got = []
+    for p in (1, parts):
+        graph, inputs, outputs = attention_problem(group, 64, 1, lengths, steps=2, seed=7,
+                                                   widths=widths, parts=p)
+        ex = create_executor(compile_graph(graph, num_sms=132), "cpu", poison=True)
+        for name, value in inputs.items():
+            ex.bind(name, value.clone())
+        ex.run(2)
+        got.append({name: ex.read(name) for name in outputs + ["k_cache", "v_cache"]})
+    for name, value in got[0].items():
+        assert torch.equal(value.view(torch.int16), got[1][name].view(torch.int16)), name
+
+
+def test_query_head_parts_must_divide_the_group() -> None:
+    from mpk.errors import GraphError
+    from tests.gpu.test_kernels_attention import attention_problem
+
+    with pytest.raises(GraphError, match="P dividing the group 6"):
+        attention_problem(6, 64, 1, (1, 17), kv_heads=2, parts=4)
+    with pytest.raises(GraphError, match="P > 1 only with one split"):
+        attention_problem(4, 64, 2, (1, 17), parts=2)

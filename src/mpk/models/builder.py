@@ -43,6 +43,14 @@ if TYPE_CHECKING:  # models/ stays below parallel/: the builder only calls tp's 
 
 BF16, F32, I32 = DType.BF16, DType.F32, DType.I32
 SPLIT_POSITIONS = 256  # KV positions per attention split at the longest context
+# Attention's query heads are parted over tasks (tasks/attention) for groups of PART_GROUP or
+# more, down to PART_HEADS heads a task, while the parted op takes at most PART_SMS of the SMs:
+# qwen3-30b-a3b (G = 8) at b1 (4 -> 16 tasks) 1.2% faster, at b8 (32 -> 128) 0.1%, at b16
+# (64 -> 128) 0.9% slower; at G = 4 the 8B models and llama-3.2-1b moved +-0.2% at b1 (perf-log,
+# twenty-fourth session).
+PART_GROUP = 8
+PART_HEADS = 2
+PART_SMS = 1 / 4
 
 
 @dataclass(frozen=True)
@@ -221,8 +229,8 @@ def _attention(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int, p: 
         g.add_tensor(p + "k_norm", (d,), BF16, Role.WEIGHT)
         ops.update(q_norm=p + "q_norm", k_norm=p + "k_norm")
     if splits == 1:
-        g.add_op("attention", p + "attention", (kvh, b, 1), {**ops, "out": p + "attn"},
-                 eps=cfg.rms_eps)
+        g.add_op("attention", p + "attention", (kvh * _query_parts(group, kvh * b, num_sms), b, 1),
+                 {**ops, "out": p + "attn"}, eps=cfg.rms_eps)
         return
     g.add_tensor(p + "part_o", (b, kvh, splits, group * d), F32, Role.ACTIVATION)
     g.add_tensor(p + "part_lse", (b, kvh, splits, group), F32, Role.ACTIVATION)
@@ -230,6 +238,18 @@ def _attention(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int, p: 
              {**ops, "part_o": p + "part_o", "part_lse": p + "part_lse"}, eps=cfg.rms_eps)
     g.add_op("attention_merge", p + "attn_merge", (kvh, b, 1),
              {"part_o": p + "part_o", "part_lse": p + "part_lse", "out": p + "attn"})
+
+
+def _query_parts(group: int, tasks: int, num_sms: int) -> int:
+    """Query-head parts per KV head (tasks/attention: a part prepares and merges only its heads;
+    the values do not change): for groups of PART_GROUP or more, down to PART_HEADS heads a
+    task while the tasks take at most PART_SMS of the SMs. The prepare's vectors (GP + 2 a task, 8 warps) and the
+    merge grow with the heads a task holds; the KV loop does not."""
+    parts = 1
+    while group >= PART_GROUP and group % (parts * 2) == 0 and \
+            group // (parts * 2) >= PART_HEADS and tasks * parts * 2 <= PART_SMS * num_sms:
+        parts *= 2
+    return parts
 
 
 def _mlp_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int, layer: int,

@@ -1,14 +1,15 @@
 // attention, sm_90a: q/k RMSNorm + RoPE + KV append + decode attention of one KV-head tile,
 // batch row(s) and KV split (semantics in task.py).
 //
-// Layouts (default splits; grid = (KV-head tiles, B, S)), W = (G+2)*D elements per head:
-//   qkv tile = qkv[0, h0*W] (every row: a run reads its earlier rows): row b, head hh, vector j
-//              at + (b*KVH + hh)*W + j*D
+// Layouts (grid = (KV heads x P, B, S): P query-head parts, each GP = G/P heads, q0 = its first;
+// P > 1 only with S = 1), W = (G+2)*D elements per head:
+//   qkv tile = qkv[0, h0*W] (every row: a run reads its earlier rows; every part its KV head's
+//              whole block): row b, head hh, vector j at + (b*KVH + hh)*W + j*D
 //   k_cache / v_cache tile = cache[0, 0, h0, 0]: (page, slot, hh, d) at
 //                            + ((page*page_size + slot)*KVH + hh)*D + d
 //   page_table tile = page_table[b0, 0] (row stride max_pages), positions tile = positions + b0,
 //   runs tile = runs[b0, 0] (or null)
-//   out tile = out[b0, h0*G*D]: (bb, hh, g, d) at + (bb*KVH + hh)*G*D + g*D + d
+//   out tile = out[b0, (h0*G + q0)*D]: (bb, hh, g, d) at + (bb*KVH + hh)*G*D + g*D + d
 //   part_o tile = part_o[b0, h0, s, 0]: (bb, hh, g, d) at + (bb*KVH + hh)*S*G*D + g*D + d
 //   part_lse tile = part_lse[b0, h0, s, 0]: (bb, hh, g) at + (bb*KVH + hh)*S*G + g
 //
@@ -59,6 +60,7 @@ constexpr int kLanes = ATTN_MAX_HEAD_DIM / 32;  // head-vector elements per lane
 
 struct Ctx {
   int B, G, D, KVH, PS, MAXP, S, NP, MAXPOS;
+  int GP, q0;  // this task's query heads: GP of the group's G, from q0 (task.py: parts)
   int row;  // this task's batch row (the qkv tile holds every row)
   bool norm;
   float eps, scale2;  // scale2 = scale * log2(e)
@@ -130,11 +132,12 @@ __device__ __forceinline__ void prepare(const Ctx& c, const Layout& L, char* sme
   bf16* knew = reinterpret_cast<bf16*>(smem + L.knew);
   bf16* vnew = reinterpret_cast<bf16*>(smem + L.vnew);
   float* buf = reinterpret_cast<float*>(smem + L.buf) + warp * c.D;
-  const int vectors = c.G + 2 * max(0, fhi - flo);
+  const int vectors = c.GP + 2 * max(0, fhi - flo);
   for (int j = warp; j < vectors; j += kWarps) {
-    const bool query = j < c.G;
-    const int f = query ? p : flo + (j - c.G) / 2;  // the vector's position
-    const int which = query ? j : c.G + ((j - c.G) & 1);  // q head, key (G) or value (G + 1)
+    const bool query = j < c.GP;
+    const int f = query ? p : flo + (j - c.GP) / 2;  // the vector's position
+    // q head q0 + j, key (G) or value (G + 1)
+    const int which = query ? c.q0 + j : c.G + ((j - c.GP) & 1);
     const bool staged = c.qkv_ep != 0;  // a flagged qkv was polled into wo
     const bf16* src =
         staged ? reinterpret_cast<const bf16*>(smem + L.wo) +
@@ -207,7 +210,7 @@ __device__ __forceinline__ void attend(const mpk::TaskArgs& a, const Ctx& c, con
   const bf16* knew = reinterpret_cast<const bf16*>(smem + L.knew);
   const bf16* vnew = reinterpret_cast<const bf16*>(smem + L.vnew);
   const int* pages = reinterpret_cast<const int*>(smem + L.pages);
-  const int ng = min(8, c.G - g0);
+  const int ng = min(8, c.GP - g0);
   const int* ptrow = c.pt + (long long)bb * c.MAXP;
 
   // q^T fragments (B operand of the score MMA): head r, d = 32j + 8t .. +8, read from shared
@@ -497,7 +500,7 @@ __device__ __forceinline__ bool row_setup(const Ctx& c, const Layout& L, char* s
   R.lo = s * chunk;
   R.hi = min(length, R.lo + chunk);
   R.hi = min(R.hi, c.MAXP * c.PS);  // positions past the page table cannot be read
-  const bool writer = p / chunk == s;
+  const bool writer = p / chunk == s && c.q0 == 0;  // query-head part 0 appends
   crow = -1;
   const int* ptrow = c.pt + (long long)bb * c.MAXP;
   if (writer && p / c.PS < c.MAXP) {
@@ -516,7 +519,7 @@ __device__ __forceinline__ bool row_setup(const Ctx& c, const Layout& L, char* s
 
 // A row outside the rope table: zeros (or empty partials), nothing appended.
 __device__ __forceinline__ void write_empty(const mpk::TaskArgs& a, const Ctx& c, int bb, int hh) {
-  const int GD = c.G * c.D;
+  const int GD = c.GP * c.D;  // S > 1: GP = G
   if (c.out_ep) {
     dev::flag_word* words =
         dev::flag_operand<dev::flag_word>(a, O_OUT) + ((long long)bb * c.KVH + hh) * GD / 2;
@@ -529,7 +532,7 @@ __device__ __forceinline__ void write_empty(const mpk::TaskArgs& a, const Ctx& c
       c.out[((long long)bb * c.KVH + hh) * GD + idx] = dev::to_bf16(0.f);
     } else {
       c.po[((long long)bb * c.KVH + hh) * c.S * GD + idx] = 0.f;
-      if (idx < c.G)
+      if (idx < c.GP)
         c.plse[((long long)bb * c.KVH + hh) * c.S * c.G + idx] = -__int_as_float(0x7f800000);
     }
   }
@@ -539,6 +542,8 @@ __device__ __forceinline__ Ctx ctx_of(const mpk::TaskArgs& a) {
   Ctx c;
   c.B = a.i(P_BATCH);
   c.G = a.i(P_GROUP);
+  c.GP = c.G / max(1, a.i(P_PARTS));
+  c.q0 = (a.point(0) % max(1, a.i(P_PARTS))) * c.GP;
   c.D = a.i(P_HEAD_DIM);
   c.KVH = a.i(P_KV_HEADS);
   c.PS = a.i(P_PAGE_SIZE);
@@ -606,7 +611,8 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   using namespace detail;
   const Ctx c = ctx_of(a);
   if (!supported(c)) return;
-  // One KV head and one batch row per task (task.py: grid (KVH, B, S)).
+  // One KV head (or part of its query heads) and one batch row per task (task.py: grid
+  // (KVH x P, B, S)).
   const Layout L(c);
   const Setup st = *reinterpret_cast<const Setup*>(a.smem + L.pre);
   // A flagged qkv is polled on every path, an empty row's too: the controller skipped this
@@ -626,7 +632,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   a.mark(0);  // profiling: the inputs are prepared
   // ATTN_MAX_HEAD_DIM (generated: 128, or 256 when the plan has larger heads) sizes the
   // registers; one instantiation per build keeps the smaller heads' register budget.
-  for (int g0 = 0; g0 < c.G; g0 += 8)
+  for (int g0 = 0; g0 < c.GP; g0 += 8)
     attend<ATTN_MAX_HEAD_DIM>(a, c, L, a.smem, 0, 0, g0, a.point(2), R);
 }
 

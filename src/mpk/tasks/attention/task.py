@@ -20,7 +20,13 @@ Per row b, p = positions[b] + step * w, L = p + 1:
      the normalised out [B, KVH*G*D] bf16; with several, fp32 partials part_o [B, KVH, S, G*D]
      and part_lse [B, KVH, S, G] (natural-log sum-exp, -inf when empty) for attention_merge.
 A row whose p is outside [0, max_pos) writes nothing to the caches and attends to nothing.
-Grid: (KVH, B, S), one KV head of one row per task; head_dim any multiple of 16 up to 256.
+Grid: (KVH * P, B, S), one KV head of one row per task, or with P > 1 query-head parts (one
+split only) P tasks per KV head and row: part j (grid point h * P + j) prepares its G / P query
+heads j * G/P .. and the head's key and value, attends over every position and writes its heads'
+columns of out; part 0 alone appends to the caches. A head's arithmetic does not depend on the
+heads beside it, so P changes no value, only how many SMs share the work (the prepare and the
+merge grow with the heads a task holds; the KV loop and the qkv staging do not).
+head_dim any multiple of 16 up to 256.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import math
 import torch
 
 from mpk.dtypes import DType
-from mpk.tasks.base import Access, OpView, OperandSpec, Param, TaskCost, TaskKind, Tile
+from mpk.tasks.base import Access, Box, OpView, OperandSpec, Param, TaskCost, TaskKind, Tile
 from mpk.tasks.numerics import bf16, rmsnorm_rows
 from mpk.tasks import runs
 from mpk.tasks.registry import register
@@ -75,7 +81,7 @@ class Attention(TaskKind):
     params = (Param("batch"), Param("group"), Param("head_dim"), Param("kv_heads"),
               Param("page_size"), Param("max_pages"), Param("num_splits"),
               Param("scale", is_float=True), Param("num_pages"), Param("max_pos"),
-              Param("has_qk_norm"), Param("eps", is_float=True))
+              Param("has_qk_norm"), Param("eps", is_float=True), Param("parts"))
     attrs = {"scale": 0.0, "eps": 1e-6}  # scale 0 means head_dim ** -0.5
     # sm90.cuh sizes its register arrays for heads up to this: 128, or 256 when a plan needs it
     cuda_defaults = {"ATTN_MAX_HEAD_DIM": SMALL_HEAD_DIM}
@@ -98,10 +104,17 @@ class Attention(TaskKind):
         return {"ATTN_MAX_HEAD_DIM": SMALL_HEAD_DIM if d <= SMALL_HEAD_DIM else MAX_HEAD_DIM}
 
     def default_splits(self, grid, tensors):
-        return {"qkv": (1, None, None), "k_cache": (2, None, None), "v_cache": (2, None, None),
+        # With query-head parts, grid axis 0 does not cut qkv and the caches into equal tiles
+        # (every part of a KV head reads its whole block): region() gives their boxes. It cuts
+        # out into equal tiles, one part's heads each.
+        whole = _parts(grid, tensors["k_cache"].shape[2]) > 1
+        return {"qkv": (None if whole else 1, None, None),
+                "k_cache": (None if whole else 2, None, None),
+                "v_cache": (None if whole else 2, None, None),
                 "page_table": (None, 0, None), "positions": (None, 0, None),
                 "runs": (None, 0, None),
-                "out": (1, 0, None), "part_o": (1, 0, 2), "part_lse": (1, 0, 2)}
+                "out": (1, 0, None), "part_o": (None if whole else 1, 0, 2),
+                "part_lse": (None if whole else 1, 0, 2)}  # parts: one split only (check)
 
     def check(self, op: OpView) -> None:
         num_pages, page_size, kv_heads, head_dim = op.shape("k_cache")
@@ -130,7 +143,8 @@ class Attention(TaskKind):
         op.expect_dtype("rope", DType.F32)
         op.expect_dtype("positions", DType.I32)
         op.expect_dtype("page_table", DType.I32)
-        self._check_outputs(op, batch, kv_heads, group, head_dim)
+        parts = self._check_grid(op, kv_heads, batch, group)
+        self._check_outputs(op, batch, kv_heads, group, head_dim, parts)
         op.expect_same_split("qkv", 1, "k_cache", 2)
         op.expect_unsplit("qkv", 0)  # a run's rows read each other's keys
         op.expect_same_split("page_table", 0, "positions", 0)
@@ -139,20 +153,33 @@ class Attention(TaskKind):
             op.expect_dtype("runs", DType.I32)
             op.expect_same_split("runs", 0, "positions", 0)
             op.expect_unsplit("runs", 1)
-        if op.axis_of("qkv", 1) != 0 or op.axis_of("positions", 0) != 1 or \
-                op.grid[:2] != (kv_heads, batch):
-            raise op.error(f"the grid is (KV heads, batch rows, KV splits) = ({kv_heads}, "
-                           f"{batch}, S): one KV head of one row per task, got {op.grid}")
+
+    def _check_grid(self, op: OpView, kv_heads: int, batch: int, group: int) -> int:
+        """The query-head parts P of the grid (KV heads x P, batch rows, KV splits)."""
+        parts = _parts(op.grid, kv_heads)
+        if op.grid[0] != kv_heads * parts or op.grid[1] != batch or group % parts or \
+                (parts > 1 and op.grid[2] > 1):
+            raise op.error(f"the grid is (KV heads x P, batch rows, KV splits) = ({kv_heads} x "
+                           f"P, {batch}, S) with P dividing the group {group} (P > 1 only with "
+                           f"one split): one KV head (or one part of its query heads) of one "
+                           f"row per task, got {op.grid}")
+        whole = parts > 1  # qkv and the caches: region() (default_splits)
+        if op.axis_of("qkv", 1) != (None if whole else 0) or op.axis_of("positions", 0) != 1:
+            raise op.error(f"qkv's columns are cut by grid axis 0 (per KV head; whole with "
+                           f"query-head parts: region() cuts them) and the rows by axis 1, got "
+                           f"{op.splits['qkv']} and {op.splits['positions']}")
+        return parts
 
     def _check_outputs(self, op: OpView, batch: int, kv_heads: int, group: int,
-                       head_dim: int) -> None:
+                       head_dim: int, parts: int) -> None:
         splits = op.grid[2]
         if splits == 1:
             if not op.has("out") or op.has("part_o") or op.has("part_lse"):
                 raise op.error("with one KV split give 'out' (and no partials)")
             op.expect_shape("out", (batch, kv_heads * group * head_dim))
             op.expect_dtype("out", DType.BF16)
-            op.expect_same_split("out", 1, "qkv", 1)
+            if op.axis_of("out", 1) != 0:
+                raise op.error(f"out's columns are cut by grid axis 0, got {op.splits['out']}")
             op.expect_same_split("out", 0, "positions", 0)
             return
         if op.has("out") or not (op.has("part_o") and op.has("part_lse")):
@@ -171,7 +198,17 @@ class Attention(TaskKind):
                 "max_pages": op.shape("page_table")[1], "num_splits": op.grid[2],
                 "scale": scale, "num_pages": num_pages,
                 "max_pos": op.shape("rope")[0], "has_qk_norm": int(op.has("q_norm")),
-                "eps": op.attrs["eps"]}
+                "eps": op.attrs["eps"], "parts": _parts(op.grid, kv_heads)}
+
+    def region(self, op: OpView, operand: str, point: tuple[int, int, int]) -> Box:
+        box = super().region(op, operand, point)
+        kv_heads = op.shape("k_cache")[2]
+        parts = _parts(op.grid, kv_heads)
+        if parts == 1 or operand not in ("qkv", "k_cache", "v_cache"):
+            return box
+        head, dim = point[0] // parts, 1 if operand == "qkv" else 2
+        size = op.shape(operand)[dim] // kv_heads  # qkv: (G+2)*D columns a KV head
+        return box[:dim] + ((head * size, (head + 1) * size),) + box[dim + 1:]
 
     def scratch_bytes(self, op: OpView) -> int:
         # sm90.cuh's Layout: per-warp (m, l, O) states, a block's keys per warp (heads up to
@@ -200,13 +237,19 @@ class Attention(TaskKind):
         fresh = {pos: (k, v)}
         fresh.update({pos - j: self._vectors(tile, row - j, pos - j, heads, group, d, p)[1:]
                       for j in range(1, index + 1) if pos - j >= 0})
-        self._append(tile, pos, *fresh[pos], p)
+        if tile.point[0] % p["parts"] == 0:  # query-head part 0 appends
+            self._append(tile, pos, *fresh[pos], p)
         length = pos + 1
         chunk = math.ceil(length / p["num_splits"])
         lo, hi = tile.point[2] * chunk, min(length, (tile.point[2] + 1) * chunk)
         o, lse = _partial(q, tile, lo, hi, p, fresh)
         if p["num_splits"] == 1:
-            tile["out"][0].copy_(o.reshape(heads * group * d))
+            # A part's heads of the whole group's result: torch's sums may round differently
+            # for other shapes, and the parts must not change a value (the module doc).
+            share = group // p["parts"]
+            part = tile.point[0] % p["parts"]
+            o = o[:, part * share: (part + 1) * share]
+            tile["out"][0].copy_(o.reshape(heads * share * d))
         else:
             tile["part_o"][0, :, 0].copy_(o.reshape(heads, group * d))
             tile["part_lse"][0, :, 0].copy_(lse)
@@ -243,10 +286,16 @@ class Attention(TaskKind):
 
     def cost(self, op: OpView) -> TaskCost:
         # Decode attention cost grows with the context; the scheduler assumes 1k positions.
-        _, page_size, heads, d = op.tile_shape("k_cache")
+        # Every part of a KV head reads its keys and values.
+        heads, d = op.shape("k_cache")[2:]
         batch = op.tile_shape("qkv")[0]
-        kv_bytes = batch * 2 * 1024 * heads * d * 2 // op.grid[2]
+        kv_bytes = batch * 2 * 1024 * -(-heads // op.grid[0]) * d * 2 // op.grid[2]
         return TaskCost(weight_bytes=0, act_bytes=kv_bytes, flops=kv_bytes * 2)
+
+
+def _parts(grid: tuple[int, ...], kv_heads: int) -> int:
+    """Query-head parts of each KV head: grid axis 0 holds KV heads x parts."""
+    return max(1, grid[0] // kv_heads)
 
 
 def _partial(q: torch.Tensor, tile: Tile, lo: int, hi: int, p: dict,
