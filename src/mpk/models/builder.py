@@ -243,8 +243,8 @@ def _attention(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int, p: 
 def _query_parts(group: int, tasks: int, num_sms: int) -> int:
     """Query-head parts per KV head (tasks/attention: a part prepares and merges only its heads;
     the values do not change): for groups of PART_GROUP or more, down to PART_HEADS heads a
-    task while the tasks take at most PART_SMS of the SMs. The prepare's vectors (GP + 2 a task, 8 warps) and the
-    merge grow with the heads a task holds; the KV loop does not."""
+    task while the tasks take at most PART_SMS of the SMs. The prepare's vectors (GP + 2 a
+    task, 8 warps) and the merge grow with the heads a task holds; the KV loop does not."""
     parts = 1
     while group >= PART_GROUP and group % (parts * 2) == 0 and \
             group // (parts * 2) >= PART_HEADS and tasks * parts * 2 <= PART_SMS * num_sms:
