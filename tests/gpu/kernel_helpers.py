@@ -52,18 +52,24 @@ def run_both(graph: Graph, inputs: dict[str, torch.Tensor], outputs: list[str],
              ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Run the graph on the CPU interpreter and on the GPU; return both sets of outputs."""
     plan = compile_graph(graph, num_sms=num_sms)
-    got = {}
-    for backend in ("cpu", "cuda"):
-        ex = create_executor(plan, backend, poison=True)
-        # Keep every bound tensor alive while the executor lives (an executor may key caches by
-        # data pointer).
-        bound = {name: value.clone() for name, value in inputs.items()}
-        for name, value in bound.items():
-            ex.bind(name, value)
-        ex.run(steps)
-        got[backend] = {name: ex.read(name).cpu() for name in outputs}
-        del ex, bound
-    return got["cpu"], got["cuda"]
+    return tuple(run_on(plan, backend, inputs, outputs, steps)  # type: ignore[return-value]
+                 for backend in ("cpu", "cuda"))
+
+
+def run_on(plan, backend: str, inputs: dict[str, torch.Tensor], outputs: list[str],
+           steps: int = 1) -> dict[str, torch.Tensor]:
+    """`steps` steps of `plan` on `backend` (poisoned arena) from copies of `inputs`: the
+    outputs, on the CPU."""
+    ex = create_executor(plan, backend, poison=True)
+    # Keep every bound tensor alive while the executor lives (an executor may key caches by
+    # data pointer).
+    bound = {name: value.clone() for name, value in inputs.items()}
+    for name, value in bound.items():
+        ex.bind(name, value)
+    ex.run(steps)
+    got = {name: ex.read(name).cpu() for name in outputs}
+    del ex, bound
+    return got
 
 
 def assert_close(cpu: torch.Tensor, gpu: torch.Tensor, name: str, exact: bool = False) -> None:

@@ -42,8 +42,8 @@ def test_query_head_parts_change_no_value(group, parts, widths) -> None:
     """Query-head parts (task.py) split the work, not the arithmetic: on the interpreter every
     output and both caches equal the unparted op's bit for bit, over two steps (the second reads
     the keys the first appended: only part 0 appends)."""
-    from mpk.backends.registry import create_executor
     from mpk.compiler.lower import compile_graph
+    from tests.gpu.kernel_helpers import run_on
     from tests.gpu.test_kernels_attention import attention_problem
 
     lengths = (1, 17, 30)
@@ -51,11 +51,8 @@ def test_query_head_parts_change_no_value(group, parts, widths) -> None:
     for p in (1, parts):
         graph, inputs, outputs = attention_problem(group, 64, 1, lengths, steps=2, seed=7,
                                                    widths=widths, parts=p)
-        ex = create_executor(compile_graph(graph, num_sms=132), "cpu", poison=True)
-        for name, value in inputs.items():
-            ex.bind(name, value.clone())
-        ex.run(2)
-        got.append({name: ex.read(name) for name in outputs + ["k_cache", "v_cache"]})
+        got.append(run_on(compile_graph(graph, num_sms=132), "cpu", inputs,
+                          outputs + ["k_cache", "v_cache"], steps=2))
     for name, value in got[0].items():
         assert torch.equal(value.view(torch.int16), got[1][name].view(torch.int16)), name
 

@@ -237,7 +237,8 @@ class Attention(TaskKind):
         fresh = {pos: (k, v)}
         fresh.update({pos - j: self._vectors(tile, row - j, pos - j, heads, group, d, p)[1:]
                       for j in range(1, index + 1) if pos - j >= 0})
-        if tile.point[0] % p["parts"] == 0:  # query-head part 0 appends
+        part = tile.point[0] % p["parts"]  # the task's query-head part
+        if part == 0:  # part 0 alone appends
             self._append(tile, pos, *fresh[pos], p)
         length = pos + 1
         chunk = math.ceil(length / p["num_splits"])
@@ -247,7 +248,6 @@ class Attention(TaskKind):
             # A part's heads of the whole group's result: torch's sums may round differently
             # for other shapes, and the parts must not change a value (the module doc).
             share = group // p["parts"]
-            part = tile.point[0] % p["parts"]
             o = o[:, part * share: (part + 1) * share]
             tile["out"][0].copy_(o.reshape(heads * share * d))
         else:
