@@ -1,13 +1,15 @@
-"""The prefill plan's gemm grids (models/prefill._gemm_grid): whole row tiles per task, and the
-busiest SM's share of tiles as small as the row-block choices allow."""
+"""The prefill plan's gemm grids (models/prefill._gemm_grid): whole row tiles per task, the
+busiest SM's share of tiles as small as the row-block choices allow, and of the kernel's two
+tile widths the one that gives the busiest SM the least tile time."""
 
 from __future__ import annotations
 
 import pytest
 
 from mpk.models.config import get_preset
-from mpk.models.prefill import GEMM_COLUMNS, GEMM_ROWS, PrefillShape, _gemm_grid, \
-    build_prefill_graph
+from mpk.models.prefill import (GEMM_ROWS, WIDE_TILE_COST, PrefillShape, _gemm_grid,
+                                _gemm_grid_for, build_prefill_graph)
+from mpk.tasks.gemm.task import BN_WIDE, tile_width
 
 
 def busiest_tiles(ranges: int, blocks: int, tiles: int, num_sms: int) -> int:
@@ -16,10 +18,36 @@ def busiest_tiles(ranges: int, blocks: int, tiles: int, num_sms: int) -> int:
 
 
 def test_qwen3_8b_at_1024_rows_loads_the_busiest_sm_least() -> None:
-    # qkv: 48 ranges x 8 blocks of one tile (3 on the busiest SM; 4 blocks of two: 4).
+    # Narrow tiles. qkv: 48 ranges x 8 blocks of one tile (3 on the busiest SM; 4 blocks of
+    # two: 4). gate_up (64 outputs a task): 192 x 2 blocks of four tiles (12; one block of 8: 16).
+    assert _gemm_grid_for(6144, 1024, 132, 128) == (48, 8)
+    assert _gemm_grid_for(12288, 1024, 132, 64) == (192, 2)
+    # Both widths: qkv keeps the narrow tiles (3 against 2 wide ones on the busiest SM, 3.08);
+    # gate_up takes 96 wide ranges x 4 blocks (6 wide tiles, 9.2 narrow ones' time, against 12);
+    # o_proj and down one wide tile a task on 128 SMs (1.54 against 2).
     assert _gemm_grid(6144, 1024, 132) == (48, 8)
-    # gate_up (64 outputs a task): 192 x 2 blocks of four tiles (12; one block of 8: 16).
-    assert _gemm_grid(12288, 1024, 132, GEMM_COLUMNS // 2) == (192, 2)
+    assert _gemm_grid(12288, 1024, 132, silu=True) == (96, 4)
+    assert _gemm_grid(4096, 1024, 132) == (16, 8)
+
+
+def tile_time(outputs: int, chunk: int, grid: tuple[int, int], silu: bool) -> float:
+    """The busiest SM's tile time in narrow tiles, for equal tasks spread evenly."""
+    ranges, blocks = grid
+    wide = tile_width(-(-outputs // ranges), silu) == BN_WIDE
+    tiles = -(-chunk // GEMM_ROWS) // blocks
+    return -(-ranges * blocks // 132) * tiles * (WIDE_TILE_COST if wide else 1.0)
+
+
+@pytest.mark.parametrize(("outputs", "silu"), [(6144, False), (4096, False), (12288, True),
+                                               (1024, False), (3072, True), (40, False)])
+@pytest.mark.parametrize("chunk", [256, 1024, 2048])
+def test_the_grid_takes_the_cheaper_tile_width(outputs: int, silu: bool, chunk: int) -> None:
+    grid = _gemm_grid(outputs, chunk, 132, silu=silu)
+    per_tile = 2 if silu else 1
+    options = [_gemm_grid_for(outputs, chunk, 132, bn // per_tile) for bn in (128, 256)]
+    assert grid in options
+    assert tile_time(outputs, chunk, grid, silu) == min(
+        tile_time(outputs, chunk, g, silu) for g in options)
 
 
 @pytest.mark.parametrize(("outputs", "chunk", "columns"), [
@@ -28,7 +56,7 @@ def test_qwen3_8b_at_1024_rows_loads_the_busiest_sm_least() -> None:
     (1024, 1024, 128), (40, 1024, 128)])
 def test_no_row_block_choice_loads_the_busiest_sm_less(outputs: int, chunk: int,
                                                        columns: int) -> None:
-    ranges, blocks = _gemm_grid(outputs, chunk, 132, columns)
+    ranges, blocks = _gemm_grid_for(outputs, chunk, 132, columns)
     tiles = -(-chunk // GEMM_ROWS)
     assert tiles % blocks == 0  # whole tiles per block
     if ranges == -(-outputs // columns):  # tile-wide ranges
@@ -44,7 +72,8 @@ def test_the_qwen3_8b_prefill_graph_uses_these_grids() -> None:
     graph = build_prefill_graph(get_preset("qwen3-8b"), PrefillShape(chunk=1024), 132)
     grids = {op.name.split(".")[-1]: op.grid for op in graph.ops
              if op.kind == "gemm" and op.name.startswith("layers.0.")}
-    assert grids["qkv"][:2] == (48, 8) and grids["gate_up"][:2] == (192, 2)
+    assert grids["qkv"][:2] == (48, 8) and grids["gate_up"][:2] == (96, 4)
+    assert grids["o_proj"][:2] == (16, 8) and grids["down"][:2] == (16, 8)
 
 
 def test_narrow_ranges_never_put_two_tasks_on_an_sm() -> None:

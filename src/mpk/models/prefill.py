@@ -29,12 +29,15 @@ from mpk.models.config import ModelConfig
 from mpk.tasks.attention_prefill.task import CUDA_MAX_HEAD_DIM
 from mpk.tasks.gemm.task import ALIGN as GEMM_ALIGN
 from mpk.tasks.gemm.task import BM as GEMM_ROWS  # the CUDA tile's height: blocks of whole tiles
-from mpk.tasks.gemm.task import BN as GEMM_COLUMNS  # outputs per task at most (half: silu_mul)
+from mpk.tasks.gemm.task import BN_NARROW, BN_WIDE, tile_width
 from mpk.tensors import Role
 
 BF16, F32, I32 = DType.BF16, DType.F32, DType.I32
 QUERY_BLOCK = 64  # prompt rows per attention_prefill task (when it divides the chunk)
 PREFILL_KINDS = ("gemm", "rope_append", "attention_prefill", "take_row")
+# A BN_WIDE tile's time in BN_NARROW tiles: twice the FLOPs at the rate
+# scripts/wgmma_gemm_probe.cu measured for each (413 against 318 TFLOP/s on one wave, H200).
+WIDE_TILE_COST = 2 * 318 / 413
 
 
 @dataclass(frozen=True)
@@ -113,8 +116,23 @@ def _starts(shape: PrefillShape) -> dict[str, str]:
     return {"starts": io.STARTS} if shape.segments > 1 else {}
 
 
-def _gemm_grid(outputs: int, chunk: int, num_sms: int, columns: int = GEMM_COLUMNS
+def _gemm_grid(outputs: int, chunk: int, num_sms: int, silu: bool = False
                ) -> tuple[int, int]:
+    """(output ranges, row blocks) of a gemm: of the grids for the kernel's narrow and wide
+    tiles (`_gemm_grid_for`), the one whose busiest SM takes the least tile time."""
+    def cost(grid: tuple[int, int]) -> float:
+        ranges, blocks = grid
+        width = -(-outputs // ranges)
+        tile = WIDE_TILE_COST if tile_width(width, silu) == BN_WIDE else 1.0
+        tiles = -(-chunk // GEMM_ROWS) // blocks
+        return -(-ranges * blocks // num_sms) * tiles * tile
+
+    grids = [_gemm_grid_for(outputs, chunk, num_sms, bn // 2 if silu else bn)
+             for bn in (BN_NARROW, BN_WIDE)]
+    return min(grids, key=lambda g: (cost(g), g[0] * g[1]))
+
+
+def _gemm_grid_for(outputs: int, chunk: int, num_sms: int, columns: int) -> tuple[int, int]:
     """(output ranges, row blocks) of a gemm: ranges of `columns` outputs (one tile wide) and
     row blocks of whole GEMM_ROWS-row tiles, as many as make the busiest SM's tiles fewest
     (ceil(tasks / SMs) tasks of tiles / blocks tiles each), of those the fewest (a task costs
@@ -177,7 +195,7 @@ def _layer(g: Graph, cfg: ModelConfig, shape: PrefillShape, num_sms: int, layer:
     g.add_op("gemm", p + "o_proj", _gemm_grid(h, c, num_sms),
              {"x": p + "attn", "weight": p + "o_weight", "residual": "hidden", "out": "hidden"})
     _norm(g, p + "post_norm", "hidden", p + "post_norm", p + "normed", c, num_sms, eps)
-    g.add_op("gemm", p + "gate_up", _gemm_grid(inter, c, num_sms, GEMM_COLUMNS // 2),
+    g.add_op("gemm", p + "gate_up", _gemm_grid(inter, c, num_sms, silu=True),
              {"x": p + "normed", "weight": p + "gate_up_weight", "out": p + "act"},
              epilogue="silu_mul")
     g.add_op("gemm", p + "down", _gemm_grid(h, c, num_sms),

@@ -189,6 +189,14 @@ class TaskKind:
     # following it). They must be tensors no op of the graph writes (host-written IO, weights):
     # nothing orders them with other tasks. Graph.add_op checks that; the CPU semantics ignore it.
     prologue_operands: ClassVar[tuple[str, ...]] = ()
+    # True when the kind's CUDA code keeps wgmma accumulators in flight across its k loop. ptxas
+    # serializes every wgmma of a pipeline that may cross a function call (warning C7510), so
+    # such a kind is inlined into the dispatch, and needs the consumers' register budget there.
+    wgmma_pipeline: ClassVar[bool] = False
+    # True when, in a plan with a wgmma_pipeline kind, the kind is called out of line
+    # (codegen.dispatch_block): inlined beside such a kind, its code made ptxas spill in the
+    # consumers' loop; the call costs it a few register saves a task.
+    outlined_beside_wgmma: ClassVar[bool] = False
 
     def check(self, op: OpView) -> None:
         """Raise GraphError (via op.error) when shapes, dtypes, splits or attrs are wrong."""

@@ -13,7 +13,8 @@ The template has five holes, all filled from data, never from hand-kept lists:
              O_<OPERAND>, param indices P_<PARAM> and FLAGGED (does an op of the kind access a
              flagged tensor in this plan) in `namespace mpk::kinds::<kind>`, then
              `#include "<kind>/sm90.cuh"` (resolved against mpk/tasks);
-  DISPATCH   `case <kind id>: mpk::kinds::<kind>::run(a); break;`;
+  DISPATCH   `case <kind id>: mpk::kinds::<kind>::run(a); break;` (`run_outlined`, a
+             __noinline__ wrapper of run in the kind's block, for the kinds `outlined` says);
   KIND_NAMES the kind-name table for profilers and error messages.
 The rendered source depends only on the plan's kinds (in order), its page count, constants,
 flagged kinds and the profiling flag, not on its tables, so one build serves every plan that
@@ -150,11 +151,20 @@ def constants_block(scratch_bytes: int = 16 * 1024) -> str:
     return "\n".join(lines)
 
 
+def outlined(kinds: Sequence[str]) -> frozenset[str]:
+    """The kinds called out of line: beside a kind with a wgmma pipeline (TaskKind
+    wgmma_pipeline, inlined itself), those marked outlined_beside_wgmma."""
+    if not any(get_kind(k).wgmma_pipeline for k in kinds):
+        return frozenset()
+    return frozenset(k for k in kinds if get_kind(k).outlined_beside_wgmma)
+
+
 def kind_block(kind_id: int, name: str, constants: Mapping[str, int] | None = None,
-               flagged: bool = True) -> str:
+               flagged: bool = True, out_of_line: bool = False) -> str:
     """The kind's compile-time constants (defaults raised by the plan), its namespace constants,
     then its device code. `flagged` False: no op of the kind has a flagged operand in the plan,
-    so FLAGGED folds its polling and flag-writing paths away (common/flags.cuh flag_epoch)."""
+    so FLAGGED folds its polling and flag-writing paths away (common/flags.cuh flag_epoch).
+    `out_of_line`: a __noinline__ `run_outlined` wrapper follows, for the dispatch."""
     kind = get_kind(name)
     constants = constants or {}
     if not _IDENT.match(name):
@@ -174,11 +184,17 @@ def kind_block(kind_id: int, name: str, constants: Mapping[str, int] | None = No
     lines += [f"inline constexpr int P_{param.name.upper()} = {index};"
               for index, param in enumerate(kind.params)]
     lines += [f"}}  // namespace mpk::kinds::{name}", f'#include "{name}/{ARCH_SUFFIX}.cuh"']
+    if out_of_line:
+        lines += [f"namespace mpk::kinds::{name} {{",
+                  "__device__ __noinline__ void run_outlined(const mpk::TaskArgs& a) { run(a); }",
+                  f"}}  // namespace mpk::kinds::{name}"]
     return "\n".join(lines)
 
 
 def dispatch_block(kinds: Sequence[str]) -> str:
-    return "\n".join(f"    case {i}:\n      mpk::kinds::{name}::run(a);\n      break;"
+    calls = outlined(kinds)
+    return "\n".join(f"    case {i}:\n      mpk::kinds::{name}::"
+                     f"{'run_outlined' if name in calls else 'run'}(a);\n      break;"
                      for i, name in enumerate(kinds))
 
 
@@ -217,7 +233,8 @@ def render_kinds(kinds: Sequence[str], profile: bool = False, scratch_bytes: int
     holes = {
         "OPTIONS": options_block(profile, kinds),
         "CONSTANTS": constants_block(scratch_bytes),
-        "KINDS": "\n\n".join(kind_block(i, name, constants, flagged is None or name in flagged)
+        "KINDS": "\n\n".join(kind_block(i, name, constants, flagged is None or name in flagged,
+                                          name in outlined(kinds))
                                for i, name in enumerate(kinds)),
         "DISPATCH": dispatch_block(kinds),
         "PROLOGUES": prologue_block(kinds),

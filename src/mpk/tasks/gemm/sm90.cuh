@@ -10,9 +10,13 @@
 // operands through L2: x is an activation, the weight is read once per row block) into
 // 128-byte-swizzled stages (common/wgmma.cuh). The two consumer warpgroups each multiply 64
 // rows by the BN weight rows with wgmma m64nBNk16 (bf16 in, fp32 accumulate) straight from
-// shared memory: the mma.sync tile this replaces reached ~195 TFLOP/s in the megakernel, bound
+// shared memory: the mma.sync tile this replaced reached ~195 TFLOP/s in the megakernel, bound
 // by ldmatrix traffic (perf-log, sixth session). A k tile's MMAs are issued before the copies of
 // the tile AHEAD further on, so those copies are issued while the tensor cores run.
+// BN is 256 for a task whose range is wider than 128 outputs (64 with silu_mul), else 128: the
+// 256-wide tile brings 4/3 the FLOPs per staged byte (scripts/wgmma_gemm_probe.cu: 413 against
+// 318 TFLOP/s on one wave of qwen3-8b's down), and a narrow task would pay for columns it does
+// not have. models/prefill.py sizes the ranges for it.
 // Epilogue through shared memory: the tile is rounded to bf16 where the reference rounds
 // (tasks/linear project), then rows are written 16 bytes at a time with the silu_mul or
 // residual step (out may be the residual itself: each element is read, then written, by one
@@ -31,14 +35,18 @@ namespace mpk::kinds::gemm {
 namespace detail {
 
 using bf16 = __nv_bfloat16;
-constexpr int BM = 128, BN = 128, BK = 64, STAGES = 3;  // task.py BM, BN, BK, STAGES
+constexpr int BM = 128, BK = 64, STAGES = 3;  // task.py BM, BK, STAGES
+constexpr int BN_WIDE = 256, BN_NARROW = 128;   // task.py BN_WIDE, BN_NARROW
 // The copies run AHEAD k tiles ahead of the MMAs, which are waited for within their tile: one
 // tile's MMAs left in flight past it measured 1-2% faster in the probe (seventh session), not
 // worth a fourth stage of shared memory.
 constexpr int AHEAD = STAGES - 1;
 static_assert(BK * 2 == dev::SW128_ROW_BYTES, "a staged row is one 128-byte swizzle row");
-constexpr int A_BYTES = BM * BK * 2, STAGE_BYTES = (BM + BN) * BK * 2;  // task.py STAGE_BYTES
-constexpr int CROW = BN + 8;  // the epilogue tile's row, bf16 elements (padded: no conflicts)
+constexpr int A_BYTES = BM * BK * 2;
+template <int BN>
+__host__ __device__ constexpr int stage_bytes() { return (BM + BN) * BK * 2; }  // task.py stage_bytes
+template <int BN>
+__host__ __device__ constexpr int crow() { return BN + 8; }  // the epilogue tile's row, bf16 (padded: no conflicts)
 static_assert(NUM_THREADS == 256, "two consumer warpgroups of 64 rows each");
 
 struct Gemm {
@@ -50,32 +58,72 @@ struct Gemm {
   const bf16* resid;
 };
 
-// Stage `slot` <- k tile kt of the tile at (m0, n0); out-of-range rows and k read as zeros.
-__device__ __forceinline__ void load_stage(const Gemm& t, uint32_t smem, int slot, int kt,
-                                           int m0, int n0) {
-  const uint32_t sa = smem + slot * STAGE_BYTES, sb = sa + A_BYTES;
+// One thread's share of a tile's copies: chunk c = tid % 8 (16 bytes of a staged row) of rows
+// tid / 8 + 32 j, the same for every k tile, so the k loop keeps two pointers and two masks
+// (the general loop's per-copy addresses, hoisted, spilled the 256-wide tile's accumulators).
+struct TileCopies {
+  const bf16* a;   // x's row m0 + tid / 8, chunk c of k tile 0
+  const bf16* b;   // the weight's first row of this thread, chunk c of k tile 0
+  long long up;    // elements from a silu_mul gate row to its up row (N * K)
+  uint32_t a_ok;   // bit j: A row tid / 8 + 32 j exists
+  uint32_t b_ok;   // bit j: B row j's output exists
+  uint32_t dst;    // offset of row tid / 8, chunk c in a swizzled stage (+ 32 rows: + 4096)
+};
+
+// B's row group j (32 rows) as an output offset: with silu_mul the second half of the tile
+// holds the up rows of the first half's outputs.
+template <int BN>
+__device__ __forceinline__ int gate_row_group(const Gemm& t, int j) {
+  return t.silu && j >= BN / 64 ? j - BN / 64 : j;
+}
+
+template <int BN>
+__device__ __forceinline__ TileCopies tile_copies(const Gemm& t, int m0, int n0) {
+  const int row = threadIdx.x / 8, c = threadIdx.x % 8;
+  TileCopies p;
+  p.a = t.x + (long long)(m0 + row) * t.K + 8 * c;
+  p.b = t.w + (long long)(n0 + row) * t.K + 8 * c;
+  p.up = (long long)t.N * t.K;
+  p.a_ok = p.b_ok = 0;
+#pragma unroll
+  for (int j = 0; j < BM / 32; ++j) p.a_ok |= (m0 + row + 32 * j < t.rows) << j;
+#pragma unroll
+  for (int j = 0; j < BN / 32; ++j) p.b_ok |= (n0 + row + 32 * gate_row_group<BN>(t, j) < t.hi) << j;
+  p.dst = dev::sw128_offset(row, c);
+  return p;
+}
+
+// Stage `slot` <- k tile kt of the tile (rows past the block, outputs past the range and k
+// past K read as zeros). Rows j of B are weight rows n0 + tid / 8 + 32 j; with silu_mul the
+// second half are the up rows of the first half's gate rows.
+template <int BN>
+__device__ __forceinline__ void load_stage(const Gemm& t, const TileCopies& p, uint32_t smem,
+                                           int slot, int kt) {
+  const uint32_t sa = smem + slot * stage_bytes<BN>() + p.dst, sb = sa + A_BYTES;
   const int k0 = kt * BK;
-  for (int i = threadIdx.x; i < BM * (BK / 8); i += NUM_THREADS) {
-    const int r = i / (BK / 8), c = i % (BK / 8), k = k0 + c * 8;
-    const bool ok = m0 + r < t.rows && k < t.K;
-    const bf16* src = ok ? t.x + (long long)(m0 + r) * t.K + k : t.x;
-    dev::cp_async_act16_or_zero(sa + dev::sw128_offset(r, c), src, ok);
+  const bool k_ok = k0 + 8 * (threadIdx.x % 8) < t.K;
+  const long long rows32 = 32LL * t.K;
+#pragma unroll
+  for (int j = 0; j < BM / 32; ++j) {
+    const bool ok = k_ok && (p.a_ok >> j & 1);
+    dev::cp_async_act16_or_zero(sa + j * 32 * dev::SW128_ROW_BYTES,
+                                ok ? p.a + j * rows32 + k0 : t.x, ok);
   }
-  for (int i = threadIdx.x; i < BN * (BK / 8); i += NUM_THREADS) {
-    const int r = i / (BK / 8), c = i % (BK / 8), k = k0 + c * 8;
-    const int col = t.silu ? n0 + r % (BN / 2) : n0 + r;
-    const long long wrow = t.silu && r >= BN / 2 ? (long long)t.N + col : col;
-    const bool ok = col < t.hi && k < t.K;
-    const bf16* src = ok ? t.w + wrow * t.K + k : t.w;
-    dev::cp_async_weight16(sb + dev::sw128_offset(r, c), src, ok);
+#pragma unroll
+  for (int j = 0; j < BN / 32; ++j) {
+    const bool ok = k_ok && (p.b_ok >> j & 1);
+    const bool up = t.silu && j >= BN / 64;
+    const long long at = gate_row_group<BN>(t, j) * rows32 + (up ? p.up : 0) + k0;
+    dev::cp_async_weight16(sb + j * 32 * dev::SW128_ROW_BYTES, ok ? p.b + at : t.w, ok);
   }
 }
 
 // acc += this warpgroup's 64 rows x the BN weight rows over one staged k tile (issued, not
 // waited for: wgmma_wait_all).
+template <int BN>
 __device__ __forceinline__ void mma_stage(uint32_t smem, int slot, float (&acc)[BN / 2]) {
-  const uint32_t sa = smem + slot * STAGE_BYTES + (threadIdx.x / 128) * 64 * BK * 2;
-  const uint32_t sb = smem + slot * STAGE_BYTES + A_BYTES;
+  const uint32_t sa = smem + slot * stage_bytes<BN>() + (threadIdx.x / 128) * 64 * BK * 2;
+  const uint32_t sb = smem + slot * stage_bytes<BN>() + A_BYTES;
   dev::wgmma_fence();
 #pragma unroll
   for (int k16 = 0; k16 < BK / 16; ++k16)  // 16 k = 32 bytes further along each swizzled row
@@ -86,7 +134,9 @@ __device__ __forceinline__ void mma_stage(uint32_t smem, int slot, float (&acc)[
 
 // The accumulators, rounded to bf16, into the [BM][CROW] tile at smem (fragment layout:
 // common/wgmma.cuh).
+template <int BN>
 __device__ __forceinline__ void stage_tile(uint32_t smem, const float (&acc)[BN / 2]) {
+  constexpr int CROW = crow<BN>();
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int row = (threadIdx.x / 128) * 64 + ((threadIdx.x / 32) % 4) * 16 + g;
 #pragma unroll
@@ -100,7 +150,9 @@ __device__ __forceinline__ void stage_tile(uint32_t smem, const float (&acc)[BN 
 }
 
 // The staged tile's outputs [n0, n0 + BN) ([n0, n0 + BN / 2) with silu_mul) of rows m0 .. m0+127.
+template <int BN>
 __device__ __forceinline__ void store_tile(const Gemm& t, uint32_t smem, int m0, int n0) {
+  constexpr int CROW = crow<BN>();
   const int width = t.silu ? BN / 2 : BN;
   for (int i = threadIdx.x; i < BM * (width / 8); i += NUM_THREADS) {
     const int r = i / (width / 8), c = (i % (width / 8)) * 8;
@@ -124,14 +176,16 @@ __device__ __forceinline__ void store_tile(const Gemm& t, uint32_t smem, int m0,
   }
 }
 
+template <int BN>
 __device__ __forceinline__ void tile(const Gemm& t, uint32_t smem, int m0, int n0) {
   float acc[BN / 2];
 #pragma unroll
   for (int e = 0; e < BN / 2; ++e) acc[e] = 0.f;
   const int nk = (t.K + BK - 1) / BK;
+  const TileCopies copies = tile_copies<BN>(t, m0, n0);
 #pragma unroll
   for (int s = 0; s < AHEAD; ++s) {
-    if (s < nk) load_stage(t, smem, s, s, m0, n0);
+    if (s < nk) load_stage<BN>(t, copies, smem, s, s);
     dev::cp_async_commit();
   }
   for (int kt = 0; kt < nk; ++kt) {
@@ -140,26 +194,35 @@ __device__ __forceinline__ void tile(const Gemm& t, uint32_t smem, int m0, int n
     // Everyone's copies of tile kt landed; both warpgroups' MMAs of tile kt - 1 are done (waited
     // below), so its slot, (kt + AHEAD) % STAGES, may be overwritten.
     mpk::task_sync();
-    mma_stage(smem, kt % STAGES, acc);
+    mma_stage<BN>(smem, kt % STAGES, acc);
     const int next = kt + AHEAD;
-    if (next < nk) load_stage(t, smem, next % STAGES, next, m0, n0);
+    if (next < nk) load_stage<BN>(t, copies, smem, next % STAGES, next);
     dev::cp_async_commit();
     dev::wgmma_wait_all();
   }
   dev::cp_async_wait_all();
   mpk::task_sync();  // every warpgroup is done with the stages: the tile reuses them
-  stage_tile(smem, acc);
+  stage_tile<BN>(smem, acc);
   mpk::task_sync();
-  store_tile(t, smem, m0, n0);
+  store_tile<BN>(t, smem, m0, n0);
   mpk::task_sync();  // the next tile's copies overwrite the staged tile
+}
+
+// Every tile of the task: its outputs BN (silu_mul: BN / 2) at a time, each over its row block.
+template <int BN>
+__device__ __forceinline__ void tiles(const Gemm& t, uint32_t smem) {
+  const int width = t.silu ? BN / 2 : BN;
+  for (int n0 = t.lo; n0 < t.hi; n0 += width)
+    for (int m0 = 0; m0 < t.rows; m0 += BM) tile<BN>(t, smem, m0, n0);
 }
 
 }  // namespace detail
 
-// Out of line, as attention_prefill's: a task runs for tens of microseconds, and its BN / 2 wgmma
-// accumulators per thread get a register allocation of their own (inlined into the prefill
-// plan's dispatch switch, ptxas spilled 88 bytes of the runtime's state).
-__device__ __noinline__ void run_task(const mpk::TaskArgs& a) {
+// Inlined into the dispatch (task.py wgmma_pipeline): out of line, ptxas serialized every wgmma
+// (each waited for before the next was issued: its pipeline crosses a function call, warning
+// C7510), and capped the function at the kernel's 168 registers, where the 256-wide tile's 128
+// accumulators a thread spilled. Inlined, the consumers' 232 registers hold them.
+__device__ __forceinline__ void run_task(const mpk::TaskArgs& a) {
   using detail::bf16;
   detail::Gemm t;
   int r0, r1;
@@ -178,9 +241,10 @@ __device__ __noinline__ void run_task(const mpk::TaskArgs& a) {
   // The swizzle pattern repeats every 1024 bytes, and the stages must start on one (task.py
   // scratch_bytes leaves the slack).
   const uint32_t smem = (dev::smem_addr(a.smem) + 1023u) & ~1023u;
-  const int width = t.silu ? detail::BN / 2 : detail::BN;
-  for (int n0 = t.lo; n0 < t.hi; n0 += width)
-    for (int m0 = 0; m0 < t.rows; m0 += detail::BM) detail::tile(t, smem, m0, n0);
+  if (t.hi - t.lo > (t.silu ? detail::BN_NARROW / 2 : detail::BN_NARROW))
+    detail::tiles<detail::BN_WIDE>(t, smem);
+  else
+    detail::tiles<detail::BN_NARROW>(t, smem);
 }
 
 MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) { run_task(a); }

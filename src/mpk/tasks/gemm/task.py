@@ -9,9 +9,9 @@ so M is not bounded by the decode kernel's 16 rows. The input norm is a separate
 Grid (T, R): axis 0 cuts the N outputs into T contiguous ranges (split_bounds, multiples of 8;
 with silu_mul, N is the intermediate size and a range covers the same rows of the gate and the
 up matrix); axis 1 cuts the M rows of x, out and residual into R blocks the same way. The CUDA
-kernel (sm90.cuh) computes tiles of 128 rows x 128 weight rows with warpgroup MMAs (wgmma),
+kernel (sm90.cuh) computes tiles of 128 rows x BN weight rows with warpgroup MMAs (wgmma),
 reading both operands through L2 with cp.async (the weights of a range are read once per row
-block).
+block); BN is 256 where a task's range is wider than 128 outputs (64 with silu_mul), else 128.
 """
 
 from __future__ import annotations
@@ -24,10 +24,23 @@ from mpk.tasks.registry import register
 
 EPILOGUES = ("none", "silu_mul")
 ALIGN = 8
-# The CUDA tile (sm90.cuh): BM rows x BN weight rows, K in BK steps, STAGES copies in flight.
-BM, BN, BK, STAGES = 128, 128, 64, 3
-STAGE_BYTES = (BM + BN) * BK * 2  # both operands' k tile, 128-byte-swizzled rows
+# The CUDA tile (sm90.cuh): BM rows x BN weight rows, K in BK steps, STAGES copies in flight;
+# BN is BN_WIDE for a task whose range is wider than BN_NARROW weight rows, else BN_NARROW.
+BM, BK, STAGES = 128, 64, 3
+BN_WIDE, BN_NARROW = 256, 128
 SWIZZLE_ALIGN = 1024  # the stages start on a swizzle atom: slack to align the scratch up
+
+
+def tile_width(outputs: int, silu: bool) -> int:
+    """The weight rows of the kernel's tile for a task of `outputs` outputs (sm90.cuh run_task):
+    a silu_mul tile holds BN / 2 gate rows and the same up rows."""
+    per_output = 2 if silu else 1
+    return BN_WIDE if outputs * per_output > BN_NARROW else BN_NARROW
+
+
+def stage_bytes(bn: int) -> int:
+    """Both operands' k tile (BM + bn rows of BK bf16, 128-byte-swizzled rows)."""
+    return (BM + bn) * BK * 2
 
 
 @register
@@ -42,6 +55,7 @@ class Gemm(TaskKind):
     params = (Param("rows"), Param("row_blocks"), Param("k"), Param("n"), Param("tasks"),
               Param("silu"), Param("has_residual"))
     attrs = {"epilogue": "none"}
+    wgmma_pipeline = True
 
     def default_splits(self, grid, tensors):
         row_dim = len(tensors["weight"].shape) - 2
@@ -87,8 +101,11 @@ class Gemm(TaskKind):
                 "has_residual": int(op.has("residual"))}
 
     def scratch_bytes(self, op: OpView) -> int:
-        # The epilogue's tile (padded rows) reuses the stages.
-        return max(STAGES * STAGE_BYTES, BM * (BN + 8) * 2) + SWIZZLE_ALIGN
+        # The widest task's tile; the epilogue's tile (padded rows) reuses the stages.
+        n, tasks = op.shape("weight")[-2], op.grid[0]
+        widest = max(hi - lo for lo, hi in (split_bounds(n, tasks, ALIGN, t) for t in range(tasks)))
+        bn = tile_width(widest, op.attrs["epilogue"] == "silu_mul")
+        return max(STAGES * stage_bytes(bn), BM * (bn + 8) * 2) + SWIZZLE_ALIGN
 
     def reference(self, tile: Tile) -> None:
         project(tile, tile["x"].float())
