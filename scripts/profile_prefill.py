@@ -3,6 +3,10 @@ of a P-token prompt by default, the one with the most cached context), profiled 
 per op with the runtime's timestamps (the profiling build of the same plan, same tensors).
 
   python3 scripts/profile_prefill.py --model qwen3-0.6b --prompt 2048 --chunk 256 [--json]
+
+`--ncu`: instead of the timestamps, one more launch of the plain build between
+cudaProfilerStart and cudaProfilerStop, for `ncu --profile-from-start off` (as scripts/ncu_walk.py
+says: warp-state samples per SASS instruction; `--summarize` reads the exported source page).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--start", type=int, default=None, help="p0 (default: prompt - chunk)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--ncu", action="store_true", help="one profiled launch for Nsight Compute")
     args = ap.parse_args()
     cfg = get_preset(args.model)
     device = torch.device("cuda")
@@ -66,6 +71,13 @@ def main() -> None:
         torch.cuda.synchronize()
         if i:
             times.append(start.elapsed_time(end))
+    if args.ncu:
+        torch.cuda.cudart().cudaProfilerStart()
+        plain.run(1)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        print(f"profiled one launch (median {statistics.median(times):.3f} ms unprofiled)")
+        return
     prof.run(1)
     prof.run(1)
     stamps, step_begin = prof.last_profile()

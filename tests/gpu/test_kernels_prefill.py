@@ -64,13 +64,15 @@ def test_gemm_silu_mul():
     gemm_case(130, 200, 136, (3, 2), silu=True, seed=11)
 
 
-def prefill_attention_case(group: int, d: int, kv_heads: int = 2, chunk: int = 128,
-                           blocks: int = 2, start: int = 0, prompt: int | None = None,
-                           qk_norm: bool = True, max_pos: int | None = None,
-                           bad_pages: tuple[int, ...] = (), seed: int = 0) -> None:
-    """One sequence: rows 0 .. prompt-1 of a chunk of `chunk` rows at positions start ..; the
-    cache holds random keys and values at every slot (so positions before `start` are a cached
-    context); `bad_pages`: page-table entries set out of the pool (-1)."""
+def prefill_attention_graph(group: int, d: int, kv_heads: int = 2, chunk: int = 128,
+                            blocks: int = 2, start: int = 0, prompt: int | None = None,
+                            qk_norm: bool = True, max_pos: int | None = None,
+                            bad_pages: tuple[int, ...] = (), seed: int = 0
+                            ) -> tuple[Graph, dict[str, torch.Tensor]]:
+    """rope_append then attention_prefill (q -> o) over one sequence: rows 0 .. prompt-1 of a
+    chunk of `chunk` rows at positions start ..; the cache holds random keys and values at every
+    slot (so positions before `start` are a cached context); `bad_pages`: page-table entries set
+    out of the pool (-1). The graph and its inputs."""
     g = gen(seed)
     page_size = 16
     prompt = chunk if prompt is None else prompt
@@ -105,6 +107,12 @@ def prefill_attention_case(group: int, d: int, kv_heads: int = 2, chunk: int = 1
     graph.add_op("rope_append", "prepare", (kv_heads, blocks), operands=operands)
     graph.add_op("attention_prefill", "attn", (kv_heads, blocks),
                  operands={**seq, "q": "q", "out": "o"})
+    return graph, inputs
+
+
+def prefill_attention_case(*args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    """prefill_attention_graph's q, o and caches: the GPU against the CPU interpreter."""
+    graph, inputs = prefill_attention_graph(*args, **kwargs)
     cpu, gpu = run_both(graph, inputs, ["q", "o", "k_cache", "v_cache"])
     assert_close(cpu["q"], gpu["q"], "q")
     assert_close(cpu["o"], gpu["o"], "o")
@@ -114,6 +122,23 @@ def prefill_attention_case(group: int, d: int, kv_heads: int = 2, chunk: int = 1
 
 def test_prefill_attention_first_chunk():
     prefill_attention_case(2, 128, chunk=128, blocks=2, seed=1)
+
+
+def test_prefill_attention_pieces_share_a_pass():
+    """G = 4, four row blocks of a 128-row chunk: each task's two 16-row pieces (rows 16j.. and
+    112-16j..) are 64 query vectors each, one pass holding both; a cached context, and padding
+    rows from 100 on (task 1's second piece is partly real, task 0's all padding)."""
+    prefill_attention_case(4, 64, chunk=128, blocks=4, start=45, prompt=100, seed=8)
+
+
+def test_prefill_attention_a_pass_a_piece():
+    """G = 4, 32-row pieces (qwen3-8b's shape at 64 rows a task): 128 vectors, a pass each."""
+    prefill_attention_case(4, 64, chunk=128, blocks=2, start=70, seed=10)
+
+
+def test_prefill_attention_two_passes_a_piece():
+    """G = 8: a 32-row piece is 256 query vectors, two passes of its own."""
+    prefill_attention_case(8, 64, kv_heads=1, chunk=128, blocks=2, start=3, seed=9)
 
 
 def test_prefill_attention_after_a_cached_context_with_padding_rows():

@@ -4,10 +4,12 @@
 //
 // Layouts (whole tensors through a.base): q, out [C, KVH*G*D] (row i, head h, query g at
 // i*KVH*G*D + (h*G + g)*D), k_cache / v_cache [num_pages, page_size, KVH, D]. Task (h, j) owns
-// rows [r0, r0 + block), r0 = j * block; its real rows are [r0, hi), hi = min(r0 + block, n).
+// the row pieces [ra, ra + block) and [rb, rb + block), ra = j * block, rb = C - (j + 1) * block
+// (task.py row_pieces; one piece of C rows when block is C); a piece's real rows end at n.
 //
-// The task's query vectors (row, query head) in row-major order are taken 128 at a time (a
-// pass: 16 per warp, one m16 tile each), copied into shared memory with cp.async. Per pass, keys
+// The task's query vectors (row, query head) of its real rows, piece by piece in row-major
+// order, are taken 128 at a time (a pass: 16 per warp, one m16 tile each), copied into shared
+// memory with cp.async. Per pass, keys
 // and values go in blocks of 64 positions through two shared-memory buffers: block b + 1 is
 // copied (cp.async, every thread a quarter of one key; masked positions as zeros) while block b
 // is attended. The page table of the positions the task sees is staged once. A position whose
@@ -36,7 +38,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 static_assert(NUM_THREADS == 4 * KB, "a key block is prepared one quarter-vector per thread");
 
 struct Ctx {  // sizeof under 256 bytes (task.py scratch_bytes)
-  int G, D, KVH, PS, MAXP, NP, r0, hi, p0;
+  int G, D, KVH, PS, MAXP, NP, p0;
+  int ra, na, rb;      // the pieces' first rows; piece a's real rows (b's follow only if all are)
   float scale2;        // scale * log2(e)
   long long q_row;     // q / out row stride, elements
   const bf16* q;       // head h's first query of row 0
@@ -84,6 +87,17 @@ __device__ __forceinline__ void issue_block(const Ctx& c, int k0, int kend, int 
 }
 
 static_assert(sizeof(Ctx) <= 256, "task.py scratch_bytes reserves 256 bytes for the context");
+
+// The chunk row of the task's query vector m, and its query head (G vectors a row, piece a's
+// real rows first).
+__device__ __forceinline__ int vector_row(const Ctx& c, int m) {
+  const int ma = c.na * c.G;
+  return m < ma ? c.ra + m / c.G : c.rb + (m - ma) / c.G;
+}
+__device__ __forceinline__ int vector_head(const Ctx& c, int m) {
+  const int ma = c.na * c.G;
+  return (m < ma ? m : m - ma) % c.G;
+}
 
 struct Rows {  // one warp's 16 query vectors: running max / sum and output per row g, g + 8
   float m[2], l[2], o[DMAX / 8][4];
@@ -173,10 +187,10 @@ __device__ __forceinline__ void attend_keys(const Ctx& c, Rows& r, int k0, int k
   }
 }
 
-// One pass: query vectors [mlo, mlo + count) of the task (vector m: row r0 + m / G, head m % G).
+// One pass: query vectors [mlo, mlo + count) of the task (vector_row, vector_head).
 __device__ __forceinline__ void pass(const Ctx& c, int mlo, int count) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int ihi = c.r0 + (mlo + count - 1) / c.G;
+  const int ihi = vector_row(c, mlo + count - 1);  // rows grow with m
   mpk::task_sync();  // the previous pass is done with the staged queries and both buffers
   for (int m = threadIdx.x >> 2; m < QROWS; m += NUM_THREADS / 4) {  // a quarter row each
     const uint32_t dst = c.qs + m * c.row * 2;
@@ -185,7 +199,7 @@ __device__ __forceinline__ void pass(const Ctx& c, int mlo, int count) {
       zero_quarter(c, dst, q);
       continue;
     }
-    const int i = c.r0 + (mlo + m) / c.G, gq = (mlo + m) % c.G;
+    const int i = vector_row(c, mlo + m), gq = vector_head(c, mlo + m);
     const bf16* src = c.q + i * c.q_row + (long long)gq * c.D;
     for (int k = q; k < c.D / 8; k += 4) dev::cp_async_act16_or_zero(dst + k * 16, src + 8 * k, true);
   }
@@ -195,7 +209,7 @@ __device__ __forceinline__ void pass(const Ctx& c, int mlo, int count) {
     const int m = warp * 16 + g + 8 * rr;
     r.m[rr] = -INFINITY;
     r.l[rr] = 0.f;
-    r.qpos[rr] = m < count ? c.p0 + c.r0 + (mlo + m) / c.G : -1;
+    r.qpos[rr] = m < count ? c.p0 + vector_row(c, mlo + m) : -1;
   }
 #pragma unroll
   for (int dt = 0; dt < DMAX / 8; ++dt)
@@ -225,7 +239,7 @@ __device__ __forceinline__ void pass(const Ctx& c, int mlo, int count) {
     const int m = warp * 16 + g + 8 * rr;
     if (m >= count) continue;
     const float inv = r.l[rr] > 0.f ? 1.f / r.l[rr] : 0.f;  // a row that saw nothing: zeros
-    const int i = c.r0 + (mlo + m) / c.G, gq = (mlo + m) % c.G;
+    const int i = vector_row(c, mlo + m), gq = vector_head(c, mlo + m);
     bf16* dst = c.out + i * c.q_row + (long long)gq * c.D;
 #pragma unroll
     for (int dt = 0; dt < DMAX / 8; ++dt) {
@@ -261,8 +275,9 @@ __device__ __noinline__ void run_task(const mpk::TaskArgs& a) {
   c.MAXP = a.i(P_MAX_PAGES);
   c.NP = a.i(P_NUM_PAGES);
   c.scale2 = a.f(P_SCALE) * detail::kLog2e;
-  const int h = a.point(0), block = a.i(P_BLOCK);
-  c.r0 = a.point(1) * block;
+  const int h = a.point(0), block = a.i(P_BLOCK), rows = a.i(P_CHUNK_ROWS);
+  c.ra = a.point(1) * block;
+  c.rb = rows - (a.point(1) + 1) * block;
   c.q_row = (long long)c.KVH * c.G * c.D;
   c.q = reinterpret_cast<const bf16*>(a.base[O_Q]) + (long long)h * c.G * c.D;
   c.kc = reinterpret_cast<const bf16*>(a.base[O_K_CACHE]) + (long long)h * c.D;
@@ -272,7 +287,9 @@ __device__ __noinline__ void run_task(const mpk::TaskArgs& a) {
   const int chunk = dev::ld_act_i32(reinterpret_cast<const int*>(a.base[O_CHUNK]));
   // rope_append/task.py segment_rows: rows past the rope table (or p0 < 0) are padding
   const int n = c.p0 < 0 ? 0 : max(0, min(chunk, a.i(P_MAX_POS) - c.p0));
-  c.hi = max(c.r0, min(c.r0 + block, n));
+  const int hi_a = max(c.ra, min(c.ra + block, n));
+  const int hi_b = block < rows ? max(c.rb, min(c.rb + block, n)) : c.rb;  // no piece b: none
+  c.na = hi_a - c.ra;
   c.row = c.D + 8;
   const uint32_t smem = dev::smem_addr(a.smem);
   const int rows_bytes = (detail::QROWS + 4 * detail::KB) * c.row * 2;
@@ -287,14 +304,16 @@ __device__ __noinline__ void run_task(const mpk::TaskArgs& a) {
   detail::Ctx* shared = reinterpret_cast<detail::Ctx*>(a.smem + rows_bytes + 2 * detail::KB * 4);
   int* pages = reinterpret_cast<int*>(reinterpret_cast<char*>(shared) + 256);
   c.pages = pages;
-  detail::zero_rows(c, c.hi, c.r0 + block);
-  const int seen = c.hi > c.r0 ? min((c.p0 + c.hi + c.PS - 1) / c.PS, c.MAXP) : 0;
+  detail::zero_rows(c, hi_a, c.ra + block);
+  if (block < rows) detail::zero_rows(c, hi_b, c.rb + block);
+  const int vectors = (c.na + hi_b - c.rb) * c.G;
+  const int top = hi_b > c.rb ? hi_b : hi_a;  // one past the task's last real row
+  const int seen = vectors > 0 ? min((c.p0 + top + c.PS - 1) / c.PS, c.MAXP) : 0;
   const int* table = reinterpret_cast<const int*>(a.base[O_PAGE_TABLE]);
   for (int i = threadIdx.x; i < seen; i += NUM_THREADS) pages[i] = dev::ld_act_i32(table + i);
   // The context lives in shared memory: in registers it crowded out the 16 x D output tile.
   if (threadIdx.x == 0) *shared = c;
   mpk::task_sync();
-  const int vectors = (c.hi - c.r0) * c.G;
   for (int mlo = 0; mlo < vectors; mlo += detail::QROWS)
     detail::pass(*shared, mlo, min(detail::QROWS, vectors - mlo));
 }

@@ -11,7 +11,13 @@ bf16 (read), rope [max_pos, D] (only its length is used: rows past it are paddin
 Row i < n (position p = p0 + i) of KV head h attends to positions [0, p] of the sequence; as in
 `attention`, a position whose page entry is outside the page table or the pool is masked out,
 and a row that sees no position writes zeros. Padding rows write zeros.
-Grid (KVH, QB): task (h, j) takes rows [j*C/QB, (j+1)*C/QB) (QB divides C).
+Grid (KVH, QB): task (h, j) takes two pieces of C/(2*QB) rows, pieces j and 2*QB-1-j (row_pieces;
+2*QB divides C), or all C rows when QB is 1. A row attends to as many positions as its place
+in the chunk, so a block of rows from the start and one from the end give every task the same
+work: with blocks side by side, the last task had the most (qwen3-8b's second 1,024-row chunk of
+a 2,048-token prompt: 64 passes over a block of 64 keys in the last task, 49 on average).
+The tasks' `q` and `out` boxes span from the first piece to the second (disjoint_writes: each
+task writes only its pieces' rows).
 Segments (several sequences in one chunk: starts, as for rope_append): a row attends to the
 positions of its own segment's sequence, through that segment's page-table row.
 
@@ -25,12 +31,22 @@ import math
 import torch
 
 from mpk.dtypes import DType
-from mpk.tasks.base import Access, OpView, OperandSpec, Param, TaskCost, TaskKind, Tile
+from mpk.tasks.base import (Access, Box, OpView, OperandSpec, Param, TaskCost, TaskKind,
+                             Tile)
 from mpk.tasks.registry import register
 from mpk.tasks.rope_append.task import (check_sequence, cuda_one_segment, page_slots,
                                          segment_rows, sequence_params)
 
 CUDA_MAX_HEAD_DIM = 128  # sm90.cuh holds a 16-row x D output tile per warp in registers
+
+
+def row_pieces(rows: int, blocks: int, j: int) -> tuple[tuple[int, int], ...]:
+    """Task j's rows [lo, hi) of a chunk of `rows` rows in `blocks` row blocks: pieces j and
+    2*blocks-1-j of rows/(2*blocks) rows, in that order (all rows when blocks is 1)."""
+    if blocks == 1:
+        return ((0, rows),)
+    size = rows // (2 * blocks)
+    return ((j * size, (j + 1) * size), (rows - (j + 1) * size, rows - j * size))
 
 
 @register
@@ -49,8 +65,9 @@ class AttentionPrefill(TaskKind):
     )
     params = (Param("group"), Param("head_dim"), Param("kv_heads"), Param("page_size"),
               Param("max_pages"), Param("num_pages"), Param("max_pos"), Param("block"),
-              Param("scale", is_float=True))
+              Param("scale", is_float=True), Param("chunk_rows"))
     attrs = {"scale": 0.0}  # scale 0 means head_dim ** -0.5
+    disjoint_writes = ("out",)  # a task writes its two pieces, not the rows between them
 
     def default_splits(self, grid, tensors):
         return {"q": (1, 0, None), "k_cache": (2, None, None), "v_cache": (2, None, None),
@@ -66,12 +83,23 @@ class AttentionPrefill(TaskKind):
             op.expect_dtype(name, DType.BF16)
         op.expect_same_split("q", 1, "k_cache", 2)
         op.expect_same_split("out", 1, "k_cache", 2)
+        if op.grid[1] > 1 and rows % (2 * op.grid[1]):
+            raise op.error(f"{op.grid[1]} row blocks take two pieces each: 2 * {op.grid[1]} "
+                           f"must divide the {rows} rows")
 
     def param_values(self, op: OpView) -> dict[str, int | float]:
         rows, width = op.shape("q")
         p = sequence_params(op, rows)
-        return {**p, "group": width // (p["kv_heads"] * p["head_dim"]),
-                "scale": op.attrs["scale"] or p["head_dim"] ** -0.5}
+        (lo, hi), *_ = row_pieces(rows, op.grid[1], 0)
+        return {**p, "group": width // (p["kv_heads"] * p["head_dim"]), "block": hi - lo,
+                "scale": op.attrs["scale"] or p["head_dim"] ** -0.5, "chunk_rows": rows}
+
+    def region(self, op: OpView, operand: str, point: tuple[int, int, int]) -> Box:
+        box = super().region(op, operand, point)
+        if operand not in ("q", "out"):
+            return box
+        pieces = row_pieces(op.shape("q")[0], op.grid[1], point[1])
+        return ((pieces[0][0], pieces[-1][1]),) + box[1:]
 
     def scratch_bytes(self, op: OpView) -> int:
         # sm90.cuh: queries [128][D + 8] bf16, two buffers of keys and values [64][D + 8] bf16
@@ -84,16 +112,17 @@ class AttentionPrefill(TaskKind):
 
     def reference(self, tile: Tile) -> None:
         num_pages, page_size, _, d = tile["k_cache"].shape
-        block, width = tile["q"].shape
-        group = width // d
-        r0 = tile.point[1] * block
-        seg, pos, live = segment_rows(tile, torch.arange(r0, r0 + block))
-        tile["out"].zero_()
+        group = tile["q"].shape[1] // d
+        pieces = row_pieces(tile.op.shape("q")[0], tile.op.grid[1], tile.point[1])
+        rows = torch.cat([torch.arange(lo, hi) for lo, hi in pieces])
+        local = rows - pieces[0][0]  # the rows in the task's box
+        seg, pos, live = segment_rows(tile, rows)
+        tile["out"][local] = 0
         scale = tile.attr("scale") or d ** -0.5
         for s in seg[live].unique().tolist():  # the segments of this task's prompt rows
-            rows = (live & (seg == s)).nonzero()[:, 0]
-            tile["out"][rows] = self._attend(tile, s, tile["q"][rows], pos[rows], group,
-                                             scale).to(tile["out"].dtype)
+            mine = local[live & (seg == s)]
+            tile["out"][mine] = self._attend(tile, s, tile["q"][mine], pos[live & (seg == s)],
+                                             group, scale).to(tile["out"].dtype)
 
     @staticmethod
     def _attend(tile: Tile, s: int, q: torch.Tensor, pos: torch.Tensor, group: int,
