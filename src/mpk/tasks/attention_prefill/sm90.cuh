@@ -16,7 +16,11 @@
 // page entry is outside the table or the pool is masked. Scores and P.V run on tensor cores
 // (mma.sync m16n8k16, bf16 in, fp32 accumulate; P rounded to bf16 as flash attention does),
 // online softmax in the exp2 domain per row.
-// head_dim: a multiple of 16 up to DMAX = 128 (task.py CUDA_MAX_HEAD_DIM).
+// head_dim: a multiple of 16 up to 128 (task.py CUDA_MAX_HEAD_DIM). Rows are staged DMAX wide
+// (PREFILL_HEAD_DIM, generated: 64 or 128, task.py staged_head_dim), zeros past D, so the loops
+// over the head dimension have compile-time bounds: with a branch on the runtime D between k
+// steps, ptxas issued each ldmatrix just before its MMAs (ncu: 24% of the samples were MMAs
+// waiting for their ldmatrix; twenty-sixth session).
 #pragma once
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -31,7 +35,8 @@ namespace detail {
 
 using bf16 = __nv_bfloat16;
 constexpr int kWarps = NUM_THREADS / 32;
-constexpr int DMAX = 128;          // task.py CUDA_MAX_HEAD_DIM
+constexpr int DMAX = PREFILL_HEAD_DIM;  // staged row width (task.py staged_head_dim)
+constexpr int ROW = DMAX + 8;           // a staged row, bf16 (+ 8: ldmatrix rows in distinct banks)
 constexpr int QROWS = 16 * kWarps;  // query vectors per pass
 constexpr int KB = 64;             // key positions per block
 constexpr float kLog2e = 1.4426950408889634f;
@@ -45,7 +50,6 @@ struct Ctx {  // sizeof under 256 bytes (task.py scratch_bytes)
   const bf16* q;       // head h's first query of row 0
   const bf16 *kc, *vc; // head h of slot 0 of page 0 (slot stride KVH*D)
   bf16* out;           // head h's first query of row 0
-  int row;             // staged row length, bf16 elements (D + 8: ldmatrix rows in distinct banks)
   uint32_t qs;         // shared addresses: queries [QROWS][row]
   uint32_t ks[2], vs[2];  // keys, values [KB][row] of the two block buffers
   int* kok[2];         // [KB] whether each key of a buffer's block is visible at all
@@ -53,8 +57,9 @@ struct Ctx {  // sizeof under 256 bytes (task.py scratch_bytes)
 };
 
 // Zeros over this quarter's 16-byte chunks (q, q + 4, ...) of a staged row.
-__device__ __forceinline__ void zero_quarter(const Ctx& c, uint32_t row, int q) {
-  for (int k = q; k < c.D / 8; k += 4)
+__device__ __forceinline__ void zero_quarter(uint32_t row, int q) {
+#pragma unroll
+  for (int k = q; k < DMAX / 8; k += 4)
     asm volatile("st.shared.v4.u32 [%0], {%1,%1,%1,%1};" ::"r"(row + k * 16), "r"(0));
 }
 
@@ -72,15 +77,16 @@ __device__ __forceinline__ long long cache_row(const Ctx& c, int p) {
 // flags; the caller commits them as one group.
 __device__ __forceinline__ void issue_block(const Ctx& c, int k0, int kend, int buf) {
   const int kl = threadIdx.x >> 2, q = threadIdx.x & 3, kp = k0 + kl;
-  const uint32_t krow = c.ks[buf] + kl * c.row * 2, vrow = c.vs[buf] + kl * c.row * 2;
+  const uint32_t krow = c.ks[buf] + kl * ROW * 2, vrow = c.vs[buf] + kl * ROW * 2;
   const long long slot = kp < kend ? cache_row(c, kp) : -1;
   if (slot < 0) {
-    zero_quarter(c, krow, q);
-    zero_quarter(c, vrow, q);
+    zero_quarter(krow, q);
+    zero_quarter(vrow, q);
   } else {
-    for (int k = q; k < c.D / 8; k += 4) {
-      dev::cp_async_act16_or_zero(krow + k * 16, c.kc + slot + 8 * k, true);
-      dev::cp_async_act16_or_zero(vrow + k * 16, c.vc + slot + 8 * k, true);
+#pragma unroll
+    for (int k = q; k < DMAX / 8; k += 4) {  // zeros past D (nothing read there)
+      dev::cp_async_act16_or_zero(krow + k * 16, c.kc + slot + 8 * k, k < c.D / 8);
+      dev::cp_async_act16_or_zero(vrow + k * 16, c.vc + slot + 8 * k, k < c.D / 8);
     }
   }
   if (q == 0) c.kok[buf][kl] = slot >= 0;
@@ -107,7 +113,7 @@ struct Rows {  // one warp's 16 query vectors: running max / sum and output per 
 // Scores of the warp's rows against keys [k0 + kh, k0 + kh + KSUB) of the staged block (kh:
 // KSUB-key half of it, so that the scores and the output fit the registers beside each other),
 // masked, folded into the running state.
-constexpr int KSUB = 32;
+constexpr int KSUB = 64;
 __device__ __forceinline__ void attend_keys(const Ctx& c, Rows& r, int k0, int kh, int buf) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = lane & 3;
   float s[KSUB / 8][4];
@@ -115,18 +121,17 @@ __device__ __forceinline__ void attend_keys(const Ctx& c, Rows& r, int k0, int k
   for (int ni = 0; ni < KSUB / 8; ++ni)
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[ni][e] = 0.f;
-  const uint32_t qa = c.qs + ((warp * 16 + (lane & 15)) * c.row + (lane >> 4) * 8) * 2;
+  const uint32_t qa = c.qs + ((warp * 16 + (lane & 15)) * ROW + (lane >> 4) * 8) * 2;
   const uint32_t kb =
-      c.ks[buf] + ((kh + (lane & 7) + ((lane >> 4) << 3)) * c.row + ((lane >> 3) & 1) * 8) * 2;
+      c.ks[buf] + ((kh + (lane & 7) + ((lane >> 4) << 3)) * ROW + ((lane >> 3) & 1) * 8) * 2;
 #pragma unroll
   for (int kk = 0; kk < DMAX / 16; ++kk) {
-    if (kk * 16 >= c.D) break;
     uint32_t a0, a1, a2, a3;
     dev::ldmatrix_x4(qa + kk * 32, a0, a1, a2, a3);
 #pragma unroll
     for (int nj = 0; nj < KSUB / 16; ++nj) {
       uint32_t b0, b1, b2, b3;
-      dev::ldmatrix_x4(kb + (nj * 16 * c.row + kk * 16) * 2, b0, b1, b2, b3);
+      dev::ldmatrix_x4(kb + (nj * 16 * ROW + kk * 16) * 2, b0, b1, b2, b3);
       dev::mma_bf16_16816(s[2 * nj], a0, a1, a2, a3, b0, b1);
       dev::mma_bf16_16816(s[2 * nj + 1], a0, a1, a2, a3, b2, b3);
     }
@@ -169,7 +174,7 @@ __device__ __forceinline__ void attend_keys(const Ctx& c, Rows& r, int k0, int k
     }
   }
   const uint32_t vb =
-      c.vs[buf] + ((kh + (lane & 7) + ((lane >> 3) & 1) * 8) * c.row + (lane >> 4) * 8) * 2;
+      c.vs[buf] + ((kh + (lane & 7) + ((lane >> 3) & 1) * 8) * ROW + (lane >> 4) * 8) * 2;
 #pragma unroll
   for (int kk = 0; kk < KSUB / 16; ++kk) {
     const uint32_t a0 = dev::pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
@@ -178,9 +183,8 @@ __device__ __forceinline__ void attend_keys(const Ctx& c, Rows& r, int k0, int k
     const uint32_t a3 = dev::pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
     for (int dp = 0; dp < DMAX / 16; ++dp) {
-      if (dp * 16 >= c.D) break;
       uint32_t b0, b1, b2, b3;
-      dev::ldmatrix_x4_trans(vb + (kk * 16 * c.row + dp * 16) * 2, b0, b1, b2, b3);
+      dev::ldmatrix_x4_trans(vb + (kk * 16 * ROW + dp * 16) * 2, b0, b1, b2, b3);
       dev::mma_bf16_16816(r.o[2 * dp], a0, a1, a2, a3, b0, b1);
       dev::mma_bf16_16816(r.o[2 * dp + 1], a0, a1, a2, a3, b2, b3);
     }
@@ -189,19 +193,25 @@ __device__ __forceinline__ void attend_keys(const Ctx& c, Rows& r, int k0, int k
 
 // One pass: query vectors [mlo, mlo + count) of the task (vector_row, vector_head).
 __device__ __forceinline__ void pass(const Ctx& c, int mlo, int count) {
+  // The context, its flags and page entries are in shared memory: said so, ptxas reads them with
+  // shared loads (generic loads wait on the long scoreboard, like global ones).
+  __builtin_assume(__isShared(&c));
+  __builtin_assume(__isShared(c.kok[0]) && __isShared(c.kok[1]) && __isShared(c.pages));
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int ihi = vector_row(c, mlo + count - 1);  // rows grow with m
   mpk::task_sync();  // the previous pass is done with the staged queries and both buffers
   for (int m = threadIdx.x >> 2; m < QROWS; m += NUM_THREADS / 4) {  // a quarter row each
-    const uint32_t dst = c.qs + m * c.row * 2;
+    const uint32_t dst = c.qs + m * ROW * 2;
     const int q = threadIdx.x & 3;
     if (m >= count) {
-      zero_quarter(c, dst, q);
+      zero_quarter(dst, q);
       continue;
     }
     const int i = vector_row(c, mlo + m), gq = vector_head(c, mlo + m);
     const bf16* src = c.q + i * c.q_row + (long long)gq * c.D;
-    for (int k = q; k < c.D / 8; k += 4) dev::cp_async_act16_or_zero(dst + k * 16, src + 8 * k, true);
+#pragma unroll
+    for (int k = q; k < DMAX / 8; k += 4)
+      dev::cp_async_act16_or_zero(dst + k * 16, src + 8 * k, k < c.D / 8);
   }
   Rows r;
 #pragma unroll
@@ -290,14 +300,13 @@ __device__ __noinline__ void run_task(const mpk::TaskArgs& a) {
   const int hi_a = max(c.ra, min(c.ra + block, n));
   const int hi_b = block < rows ? max(c.rb, min(c.rb + block, n)) : c.rb;  // no piece b: none
   c.na = hi_a - c.ra;
-  c.row = c.D + 8;
   const uint32_t smem = dev::smem_addr(a.smem);
-  const int rows_bytes = (detail::QROWS + 4 * detail::KB) * c.row * 2;
+  const int rows_bytes = (detail::QROWS + 4 * detail::KB) * detail::ROW * 2;
   c.qs = smem;
-  c.ks[0] = c.qs + detail::QROWS * c.row * 2;
-  c.vs[0] = c.ks[0] + detail::KB * c.row * 2;
-  c.ks[1] = c.vs[0] + detail::KB * c.row * 2;
-  c.vs[1] = c.ks[1] + detail::KB * c.row * 2;
+  c.ks[0] = c.qs + detail::QROWS * detail::ROW * 2;
+  c.vs[0] = c.ks[0] + detail::KB * detail::ROW * 2;
+  c.ks[1] = c.vs[0] + detail::KB * detail::ROW * 2;
+  c.vs[1] = c.ks[1] + detail::KB * detail::ROW * 2;
   c.kok[0] = reinterpret_cast<int*>(a.smem + rows_bytes);
   c.kok[1] = c.kok[0] + detail::KB;
   // After the flags: the context (256 bytes), then the page-table entries the task reads.

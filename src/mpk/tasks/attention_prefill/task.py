@@ -40,6 +40,11 @@ from mpk.tasks.rope_append.task import (check_sequence, cuda_one_segment, page_s
 CUDA_MAX_HEAD_DIM = 128  # sm90.cuh holds a 16-row x D output tile per warp in registers
 
 
+def staged_head_dim(d: int) -> int:
+    """The width sm90.cuh stages a head's rows at (PREFILL_HEAD_DIM): 64 or 128, zeros past d."""
+    return 64 if d <= 64 else CUDA_MAX_HEAD_DIM
+
+
 def row_pieces(rows: int, blocks: int, j: int) -> tuple[tuple[int, int], ...]:
     """Task j's rows [lo, hi) of a chunk of `rows` rows in `blocks` row blocks: pieces j and
     2*blocks-1-j of rows/(2*blocks) rows, in that order (all rows when blocks is 1)."""
@@ -68,6 +73,7 @@ class AttentionPrefill(TaskKind):
               Param("scale", is_float=True), Param("chunk_rows"))
     attrs = {"scale": 0.0}  # scale 0 means head_dim ** -0.5
     disjoint_writes = ("out",)  # a task writes its two pieces, not the rows between them
+    cuda_defaults = {"PREFILL_HEAD_DIM": 64}
 
     def default_splits(self, grid, tensors):
         return {"q": (1, 0, None), "k_cache": (2, None, None), "v_cache": (2, None, None),
@@ -101,11 +107,16 @@ class AttentionPrefill(TaskKind):
         pieces = row_pieces(op.shape("q")[0], op.grid[1], point[1])
         return ((pieces[0][0], pieces[-1][1]),) + box[1:]
 
+    def cuda_constants(self, op: OpView) -> dict[str, int]:
+        return {"PREFILL_HEAD_DIM": staged_head_dim(op.shape("k_cache")[3])}
+
     def scratch_bytes(self, op: OpView) -> int:
-        # sm90.cuh: queries [128][D + 8] bf16, two buffers of keys and values [64][D + 8] bf16
-        # and their flags [64] i32, the task's context (under 256 bytes), the page table.
-        d = op.shape("k_cache")[3]
-        return 2 * (128 + 4 * 64) * (d + 8) + 2 * 64 * 4 + 256 + 4 * op.shape("page_table")[1]
+        # sm90.cuh: queries [128][W + 8] bf16, two buffers of keys and values [64][W + 8] bf16
+        # (W: the plan's PREFILL_HEAD_DIM, the largest staged_head_dim of its ops) and their
+        # flags [64] i32, the task's context (under 256 bytes), the page table.
+        width = staged_head_dim(op.shape("k_cache")[3])
+        return (2 * (128 + 4 * 64) * (width + 8) + 2 * 64 * 4 + 256
+                + 4 * op.shape("page_table")[1])
 
     def cuda_unsupported(self, op: OpView) -> str | None:
         return cuda_one_segment(op)
