@@ -139,6 +139,38 @@ def test_plan_constants_raise_kind_defaults() -> None:
     assert cuda_constants(src)["ATTN_MAX_HEAD_DIM"] == 256
 
 
+def test_beside_a_wgmma_pipeline_linear_is_called_out_of_line() -> None:
+    """gemm's wgmma pipeline must not cross a call (ptxas serializes it: C7510), so gemm is
+    dispatched inline; linear, which crowded it there, goes through its __noinline__ wrapper,
+    and only in plans that hold a wgmma_pipeline kind."""
+    alone = codegen.render_kinds(["linear", "rmsnorm"])
+    assert "run_outlined" not in alone
+    beside = codegen.render_kinds(["gemm", "linear", "rmsnorm"])
+    assert re.search(r"case 0:\s*mpk::kinds::gemm::run\(a\);", beside)
+    assert re.search(r"case 1:\s*mpk::kinds::linear::run_outlined\(a\);", beside)
+    assert re.search(r"case 2:\s*mpk::kinds::rmsnorm::run\(a\);", beside)
+    assert re.search(r'#include "linear/sm90.cuh"\s*namespace mpk::kinds::linear \{\s*'
+                     r"__device__ __noinline__ void run_outlined", beside)
+    assert codegen.outlined(["gemm", "linear", "rmsnorm"]) == {"linear"}
+
+
+def test_prefill_attention_stages_rows_at_its_plans_head_dim() -> None:
+    for d, width in ((64, 64), (80, 128), (128, 128)):
+        g = Graph()
+        g.add_tensor("q", (64, 2 * d), DType.BF16, Role.ACTIVATION)
+        g.add_tensor("out", (64, 2 * d), DType.BF16, Role.ACTIVATION)
+        g.add_tensor("rope", (256, d), DType.F32, Role.WEIGHT)
+        for name, shape in (("positions", (1,)), ("chunk", (1,)), ("page_table", (1, 8))):
+            g.add_tensor(name, shape, DType.I32, Role.IO)
+        for name in ("k_cache", "v_cache"):
+            g.add_tensor(name, (8, 16, 1, d), DType.BF16, Role.IO)
+        g.add_op("attention_prefill", "attn", (1, 2), {n: n for n in (
+            "q", "out", "rope", "positions", "chunk", "page_table", "k_cache", "v_cache")})
+        plan = compile_graph(g, num_sms=4)
+        assert dict(plan.constants)["PREFILL_HEAD_DIM"] == width
+        assert cuda_constants(codegen.render(plan))["PREFILL_HEAD_DIM"] == width
+
+
 def test_params_struct_layout() -> None:
     # mpk::Params: 8 pointers, then step_begin, num_steps, max_len, timeout_ns, profile, then the
     # tensor-parallel peer_arenas, xflags_offset, rank, ranks (x86-64 / aarch64).
