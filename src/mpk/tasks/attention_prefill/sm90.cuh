@@ -9,10 +9,9 @@
 //
 // The task's query vectors (row, query head) of its real rows, piece by piece in row-major
 // order, are taken 128 at a time (a pass: 16 per warp, one m16 tile each), copied into shared
-// memory with cp.async. Per pass, keys
-// and values go in blocks of 64 positions through two shared-memory buffers: block b + 1 is
-// copied (cp.async, every thread a quarter of one key; masked positions as zeros) while block b
-// is attended. The page table of the positions the task sees is staged once. A position whose
+// memory with cp.async. Per pass, keys and values go in blocks of 64 positions through two
+// shared-memory buffers: block b + 1 is copied (cp.async, every thread a quarter of one key;
+// masked positions as zeros) while block b is attended. The page table of the positions the task sees is staged once. A position whose
 // page entry is outside the table or the pool is masked. Scores and P.V run on tensor cores
 // (mma.sync m16n8k16, bf16 in, fp32 accumulate; P rounded to bf16 as flash attention does),
 // online softmax in the exp2 domain per row.
