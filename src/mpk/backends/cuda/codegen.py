@@ -230,11 +230,12 @@ def render_kinds(kinds: Sequence[str], profile: bool = False, scratch_bytes: int
     a flagged operand (flagged_kinds; None: every kind keeps its flagged paths)."""
     if len(set(kinds)) != len(kinds):
         raise CompileError(f"duplicate kinds in {list(kinds)}")
+    calls = outlined(kinds)
     holes = {
         "OPTIONS": options_block(profile, kinds),
         "CONSTANTS": constants_block(scratch_bytes),
         "KINDS": "\n\n".join(kind_block(i, name, constants, flagged is None or name in flagged,
-                                          name in outlined(kinds))
+                                          name in calls)
                                for i, name in enumerate(kinds)),
         "DISPATCH": dispatch_block(kinds),
         "PROLOGUES": prologue_block(kinds),

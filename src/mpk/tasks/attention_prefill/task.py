@@ -131,9 +131,9 @@ class AttentionPrefill(TaskKind):
         tile["out"][local] = 0
         scale = tile.attr("scale") or d ** -0.5
         for s in seg[live].unique().tolist():  # the segments of this task's prompt rows
-            mine = local[live & (seg == s)]
-            tile["out"][mine] = self._attend(tile, s, tile["q"][mine], pos[live & (seg == s)],
-                                             group, scale).to(tile["out"].dtype)
+            sel = live & (seg == s)
+            tile["out"][local[sel]] = self._attend(tile, s, tile["q"][local[sel]], pos[sel],
+                                                   group, scale).to(tile["out"].dtype)
 
     @staticmethod
     def _attend(tile: Tile, s: int, q: torch.Tensor, pos: torch.Tensor, group: int,

@@ -39,7 +39,8 @@ constexpr int BM = 128, BK = 64, STAGES = 3;  // task.py BM, BK, STAGES
 constexpr int BN_WIDE = 256, BN_NARROW = 128;   // task.py BN_WIDE, BN_NARROW
 // The copies run AHEAD k tiles ahead of the MMAs, which are waited for within their tile: one
 // tile's MMAs left in flight past it measured 1-2% faster in the probe (seventh session), not
-// worth a fourth stage of shared memory.
+// worth a fourth stage of shared memory, and no faster in the megakernel with a second barrier
+// a k tile instead (twenty-sixth session: qwen3-8b's prefill 90.9 ms either way).
 constexpr int AHEAD = STAGES - 1;
 static_assert(BK * 2 == dev::SW128_ROW_BYTES, "a staged row is one 128-byte swizzle row");
 constexpr int A_BYTES = BM * BK * 2;
@@ -221,7 +222,8 @@ __device__ __forceinline__ void tiles(const Gemm& t, uint32_t smem) {
 // Inlined into the dispatch (task.py wgmma_pipeline): out of line, ptxas serialized every wgmma
 // (each waited for before the next was issued: its pipeline crosses a function call, warning
 // C7510), and capped the function at the kernel's 168 registers, where the 256-wide tile's 128
-// accumulators a thread spilled. Inlined, the consumers' 232 registers hold them.
+// accumulators a thread spilled. Inlined, it gets the consumers' 232 registers; ptxas still
+// keeps a few values of the wide tile's k loop in local memory (tests/cuda: 456 B stored).
 __device__ __forceinline__ void run_task(const mpk::TaskArgs& a) {
   using detail::bf16;
   detail::Gemm t;
