@@ -485,11 +485,11 @@ struct Setup {
 };
 static_assert(sizeof(Setup) <= 64, "Layout reserves 64 bytes for the prologue's Setup");
 
-// Position, cache row and this split's range for the tile's row; stages the page-table slice.
-__device__ __forceinline__ bool row_setup(const Ctx& c, const Layout& L, char* smem, int s,
-                                          int step, int& p, int& f0, long long& crow, Range& R) {
+// Position and this split's range for the tile's row, and whether this task appends its key
+// (loads: the row's run and position only; what depends on them is loaded by the caller).
+__device__ __forceinline__ bool row_range(const Ctx& c, const Layout& L, int s, int step, int& p,
+                                          int& f0, bool& writer, Range& R) {
   const int bb = 0;  // positions, runs and page_table tiles start at the task's row
-  int* pages = reinterpret_cast<int*>(smem + L.pages);
   const dev::RowRun run = dev::row_run(c.runs, c.row);
   const long long pos = (long long)dev::ld_act_i32(c.pos + bb) + (long long)step * run.width;
   if (pos < 0 || pos >= c.MAXPOS) return false;
@@ -500,20 +500,12 @@ __device__ __forceinline__ bool row_setup(const Ctx& c, const Layout& L, char* s
   R.lo = s * chunk;
   R.hi = min(length, R.lo + chunk);
   R.hi = min(R.hi, c.MAXP * c.PS);  // positions past the page table cannot be read
-  const bool writer = p / chunk == s && c.q0 == 0;  // query-head part 0 appends
-  crow = -1;
-  const int* ptrow = c.pt + (long long)bb * c.MAXP;
-  if (writer && p / c.PS < c.MAXP) {
-    const int page = dev::ld_act_i32(ptrow + p / c.PS);
-    if (page >= 0 && page < c.NP) crow = ((long long)page * c.PS + p % c.PS) * c.KVH;
-  }
+  writer = p / chunk == s && c.q0 == 0 && p / c.PS < c.MAXP;  // query-head part 0 appends
   R.flo = max(R.lo, p - run.index);
   const int n = max(0, R.hi - R.lo);
   R.p_first = n > 0 ? R.lo / c.PS : 0;
   const int n_pages = n > 0 ? (R.hi - 1) / c.PS - R.p_first + 1 : 0;
   R.staged = min(n_pages, L.max_pages);
-  for (int i = threadIdx.x; i < R.staged; i += NUM_THREADS)
-    pages[i] = dev::ld_act_i32(ptrow + R.p_first + i);
   return true;
 }
 
@@ -581,28 +573,45 @@ __device__ __forceinline__ bool supported(const Ctx& c) {  // task.py refuses th
 // Before the waits (task.py prologue_operands: positions, runs, page table, rope, norms; none is
 // written by a task): the row's position and split, the page-table slice, the table rows of this
 // step's positions and the norm weights go to shared memory, so the qkv read is the only global
-// round trip between the waits and the attention.
+// round trip between the waits and the attention. Two dependent round trips: the norm weights
+// load with the row's run and position; then every thread's first page entry, table element and
+// (thread 0) the appended slot's page entry load together, before any of them is stored (each
+// store waits for its load; at batch 1 the prologue is on the layer's critical path: the SM runs
+// it when its own qkv task ends).
 MPK_TASK_ENTRY void prologue(const mpk::TaskArgs& a) {
   using namespace detail;
+  static_assert(ATTN_MAX_HEAD_DIM <= NUM_THREADS, "a norm weight per thread");
   const Ctx c = ctx_of(a);
   if (!supported(c)) return;  // uniform; run() returns too
   const Layout L(c);
-  Setup st;
-  st.valid = row_setup(c, L, a.smem, a.point(2), a.step, st.p, st.f0, st.crow, st.R);
-  // Stored before the loads below, so that only p and f0 stay live across them (register
-  // pressure here spills in the runtime's loop around the prologue).
-  if (threadIdx.x == 0) *reinterpret_cast<Setup*>(a.smem + L.pre) = st;
-  if (st.valid) {
-    const int p = st.p, f0 = st.f0;
-    float* rope = reinterpret_cast<float*>(a.smem + L.rope);
-    const float* rows = c.rope + (long long)f0 * c.D;
-    for (int e = threadIdx.x; e < (p - f0 + 1) * c.D; e += NUM_THREADS)
-      rope[e] = dev::ld_act_f32(rows + e);
-    float* nw = reinterpret_cast<float*>(a.smem + L.norm);
-    for (int e = threadIdx.x; c.norm && e < c.D; e += NUM_THREADS) {
-      nw[e] = dev::ld_weight_bf16f(c.qn + e);
-      nw[c.D + e] = dev::ld_weight_bf16f(c.kn + e);
-    }
+  const int t = threadIdx.x;
+  const bool norm = c.norm && t < c.D;
+  const uint32_t qn = norm ? dev::ld_weight_u16(c.qn + t) : 0u;  // bf16 bits, stored below
+  const uint32_t kn = norm ? dev::ld_weight_u16(c.kn + t) : 0u;
+  Setup st = {};  // p and f0 stay 0 for a row outside the table (nothing is loaded for it)
+  bool writer = false;
+  st.valid = row_range(c, L, a.point(2), a.step, st.p, st.f0, writer, st.R);
+  const int* ptrow = c.pt;
+  const float* rows = c.rope + (long long)st.f0 * c.D;
+  const int n_rope = st.valid ? (st.p - st.f0 + 1) * c.D : 0, n_pages = st.valid ? st.R.staged : 0;
+  const int wpage = dev::ld_act_i32_if(ptrow + st.p / c.PS, st.valid && writer && t == 0, -1);
+  const int page = dev::ld_act_i32_if(ptrow + st.R.p_first + t, t < n_pages, 0);
+  const float rope0 = t < n_rope ? dev::ld_act_f32(rows + t) : 0.f;
+  float* nw = reinterpret_cast<float*>(a.smem + L.norm);
+  if (norm) {
+    nw[t] = __uint_as_float(qn << 16);
+    nw[c.D + t] = __uint_as_float(kn << 16);
+  }
+  int* pages = reinterpret_cast<int*>(a.smem + L.pages);
+  if (t < n_pages) pages[t] = page;
+  for (int i = t + NUM_THREADS; i < n_pages; i += NUM_THREADS)
+    pages[i] = dev::ld_act_i32(ptrow + st.R.p_first + i);
+  float* rope = reinterpret_cast<float*>(a.smem + L.rope);
+  if (t < n_rope) rope[t] = rope0;
+  for (int e = t + NUM_THREADS; e < n_rope; e += NUM_THREADS) rope[e] = dev::ld_act_f32(rows + e);
+  if (t == 0) {
+    st.crow = wpage >= 0 && wpage < c.NP ? ((long long)wpage * c.PS + st.p % c.PS) * c.KVH : -1;
+    *reinterpret_cast<Setup*>(a.smem + L.pre) = st;
   }
   mpk::task_sync();
 }

@@ -49,6 +49,14 @@ __device__ __forceinline__ int ld_act_i32(const int* p) {
   asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
+// ld_act_i32 where `pred` holds, else `otherwise`, as one predicated load (no branch: a load
+// under a branch is issued where the branch lands, after what the compiler placed before it).
+__device__ __forceinline__ int ld_act_i32_if(const int* p, bool pred, int otherwise) {
+  int v = otherwise;
+  asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q ld.global.cg.s32 %0, [%1];\n}"
+               : "+r"(v) : "l"(p), "r"((int)pred));
+  return v;
+}
 // Straight into a 32-bit register (PTX zero-extends): no conversion instruction follows the
 // load, so a caller that keeps the bits unused until later does not wait for them.
 __device__ __forceinline__ uint32_t ld_act_u16(const void* p) {
