@@ -18,6 +18,8 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
   attn_m_polled  attention's INPUT mark once the flagged qkv is polled (before prepare),
   lin_m_allwalked  a linear's COMPUTE mark once every warp's walk of a shared block is done,
   lin_e_done, lin_e_finished  a linear's COMPUTE mark once finish_shared (or pc.finish()) is done,
+  lin_i_entry, lin_i_issued, lin_i_landed, lin_i_summed  a linear's INPUT mark at the chunk loop's
+             start, after thread 0 issued its x copies, once all landed, or the norm's sums done,
   no_units   the page protocol without the units (timing only),
   no_xread   ablation (wrong outputs, timing only): the linear staging stores zeros where its
              cp.async copies of x would land (no global read of the input),
@@ -335,6 +337,28 @@ PATCHES["moe_pf"] = {**PATCHES["moe_gu_pf"], **PATCHES["moe_down_pf"]}
 # Are the prefetches slow because the loader's page copies hold the SM's bulk-copy unit? The
 # same without the loader's copies (timing only: the weight pages hold garbage).
 PATCHES["no_loader_moe_pf"] = {**PATCHES["no_loader"], **PATCHES["moe_pf"]}
+# Where a linear's input goes (timing; same results): INPUT := thread 0 before the chunk loop
+# (the task's set-up), after issuing its copies of chunk 0's x, once every thread's copies
+# landed (plus a barrier), or (rmsnorm) once the sums of squares are complete.
+MARK0 = "    stage_chunk(t, s, nw, ch);\n    if (ch == 0) a.mark(0);  // profiling: the input is in (stage_chunk ends with a barrier)\n"
+MARK0_PA = "    stage_chunk(t, s, nw, ch, ch == 0 ? a.marks : nullptr);\n"
+RAW_SIG = "int kfill, bool permute) {\n"
+CHUNK_SIG = "const bf16* nw,\n                                            int ch) {\n"
+RAW_CALL = "  stage_raw(t, s, k0, kc, kfill, !t.rms);\n"
+PA_EDITS = [(MARK0, MARK0_PA), (RAW_SIG, "int kfill, bool permute, unsigned long long* pm = nullptr) {\n"),
+            (CHUNK_SIG, CHUNK_SIG.replace("int ch) {", "int ch, unsigned long long* pm = nullptr) {")),
+            (RAW_CALL, RAW_CALL.replace("!t.rms);", "!t.rms, pm);"))]
+PM_MARK = "    if (pm && threadIdx.x == 0) pm[0] = mpk::ptx::globaltimer();\n"
+CHUNK_LOOP = "  int u0 = 0, buf = 0;\n  for (int ch = 0; ch < t.nch; ++ch) {\n"
+PATCHES["lin_i_entry"] = {"linear/sm90.cuh": [(MARK0, "    stage_chunk(t, s, nw, ch);\n"),
+                                               (CHUNK_LOOP, "  a.mark(0);\n" + CHUNK_LOOP)]}
+COMMIT = "    dev::cp_async_commit();\n"
+PATCHES["lin_i_issued"] = {"linear/sm90.cuh": [*PA_EDITS, (COMMIT, COMMIT + PM_MARK)]}
+WAITED = "    dev::cp_async_wait_all();\n  }\n"
+PATCHES["lin_i_landed"] = {"linear/sm90.cuh": [*PA_EDITS, (WAITED, WAITED.replace(
+    "  }\n", "    if (pm) {\n      mpk::task_sync();\n" + PM_MARK.replace("    ", "      ", 1) + "    }\n  }\n"))]}
+SUMMED = "    sum_squares(t, s, kc, false);\n    mpk::task_sync();  // red complete\n"
+PATCHES["lin_i_summed"] = {"linear/sm90.cuh": [*PA_EDITS, (SUMMED, SUMMED + PM_MARK)]}
 RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "attn_nokv", "attn_l2pf": "attn_l2pf", "attn_m_scores": "attn_m_scores", "attn_m_block": "attn_m_block", "attn_m_loop": "attn_m_loop", "lin_m_allwalked": "lin_m_allwalked", "lin_e_done": "lin_e_done", "lin_e_finished": "lin_e_finished", "attn_m_polled": "attn_m_polled", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
         "sparse_timer": "sparse_timer",
         "no_loader_no_units": "no_loader_no_units",
@@ -344,7 +368,8 @@ RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "
         "no_units": "no_units", "warp_release": "warp_release",
         "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "no_aload_walk_cycles": "no_aload_walk_cycles", "no_wload_walk_cycles": "no_wload_walk_cycles", "epi_cycles": "epi_cycles", "moe_inflight2x": "moe_inflight2x",
         "moe_gu_pf": "moe_gu_pf", "moe_down_pf": "moe_down_pf", "moe_pf": "moe_pf",
-        "no_loader_moe_pf": "no_loader_moe_pf"}
+        "no_loader_moe_pf": "no_loader_moe_pf",
+        **{n: n for n in ("lin_i_entry", "lin_i_issued", "lin_i_landed", "lin_i_summed")}}
 
 
 @contextmanager
