@@ -261,6 +261,41 @@ __device__ __forceinline__ void poll_stage(const Task& t, const Scratch& s, int 
   }
 }
 
+// Put each landed vector this thread copied (idx = tid + i * NUM_THREADS, as stage_raw's copy
+// loop) into A-fragment order; no barrier needed before: its own copies. Two vectors (wide: two
+// pairs) a round, both loaded before either is stored, by 32-bit shared addresses (the same
+// round through generic pointers spilled at batch 16). At batch 16 this pass took 1.1-1.6 us of
+// a linear's input, one vector a round; two measured qwen3-0.6b b16 -0.6% a step, four spilled
+// (perf-log, twenty-seventh session).
+__device__ __forceinline__ void permute_landed(const Task& t, const Scratch& s, int vfill,
+                                               int total) {
+  const unsigned xs = dev::smem_addr(s.xs), hi_off = (unsigned)(kRows * s.XS * 2);
+  for (int i0 = threadIdx.x; i0 < total; i0 += 2 * NUM_THREADS) {
+    const int i1 = i0 + NUM_THREADS, r0 = i0 / vfill, r1 = i1 / vfill;
+    const bool two = i1 < total;
+    const unsigned a0 = xs + (unsigned)((r0 * s.XS + (i0 - r0 * vfill) * 8) * 2);
+    const unsigned a1 = xs + (unsigned)((r1 * s.XS + (i1 - r1 * vfill) * 8) * 2);
+    const uint4 lo0 = dev::lds_v4(a0);
+    const uint4 hi0 = t.wide ? dev::lds_v4(a0 + hi_off) : lo0;
+    uint4 lo1 = lo0, hi1 = lo0;
+    if (two) {
+      lo1 = dev::lds_v4(a1);
+      if (t.wide) hi1 = dev::lds_v4(a1 + hi_off);
+    }
+    if (t.wide) {
+      dev::sts_v4(a0, make_uint4(lo0.x, hi0.x, lo0.y, hi0.y));
+      dev::sts_v4(a0 + hi_off, make_uint4(lo0.z, hi0.z, lo0.w, hi0.w));
+      if (two) {
+        dev::sts_v4(a1, make_uint4(lo1.x, hi1.x, lo1.y, hi1.y));
+        dev::sts_v4(a1 + hi_off, make_uint4(lo1.z, hi1.z, lo1.w, hi1.w));
+      }
+    } else {
+      dev::sts_v4(a0, single_order(lo0));
+      if (two) dev::sts_v4(a1, single_order(lo1));
+    }
+  }
+}
+
 // Copy x[b][k0, k0+kc) of every row into place with cp.async, zeros for k in [kc, kfill) and,
 // wide, for rows past B (a thread copies vector v of rows r and r + 8: two coalesced warp
 // copies). `permute`: each thread then puts the vectors it copied into A-fragment order (no
@@ -282,18 +317,7 @@ __device__ __forceinline__ void stage_raw(const Task& t, const Scratch& s, int k
     dev::cp_async_commit();
     dev::cp_async_wait_all();
   }
-  if (permute) {
-    for (int idx = tid; idx < total; idx += NUM_THREADS) {
-      const int r = idx / vfill, v = idx - r * vfill;
-      uint4* at = reinterpret_cast<uint4*>(landing(s, r, v));
-      if (t.wide) {
-        uint4* ah = reinterpret_cast<uint4*>(landing(s, r + kRows, v));
-        store_pair(at, ah, *at, *ah);
-      } else {
-        *at = single_order(*at);
-      }
-    }
-  }
+  if (permute) permute_landed(t, s, vfill, total);
   mpk::task_sync();
 }
 
