@@ -124,7 +124,7 @@ PATCHES["attn_nokv"] = {"attention/sm90.cuh": [(CACHE_ROW, "    return nullptr;\
 PATCHES["no_loader_attn_nokv"] = {**PATCHES["no_loader"], **PATCHES["attn_nokv"]}
 # The prologue (before the waits) prefetches the cached positions' keys and values to L2 with
 # evict_last: are attention's K/V loads after the waits HBM round trips (timing; same results)?
-PROLOGUE_VALID = "  if (st.valid) {\n"
+PROLOGUE_END = "  if (t == 0) {\n    st.crow = "
 # Where attention's compute goes (timing; same results): COMPUTE := warp 0's time at a point of
 # its first block (after the values it depends on are in registers) instead of after every warp
 # attended: its scores (the K loads and score MMAs), the block (softmax and the PV MMAs), the loop.
@@ -163,7 +163,7 @@ QKV_POLLED = "    stage_flagged_qkv(a, c, L);\n    mpk::task_sync();\n"
 PATCHES["attn_m_polled"] = {"attention/sm90.cuh": [
     ("  a.mark(0);  // profiling: the inputs are prepared\n", ""),
     (QKV_POLLED, QKV_POLLED + "    a.mark(0);\n")]}
-PATCHES["attn_l2pf"] = {"attention/sm90.cuh": [(PROLOGUE_VALID, PROLOGUE_VALID + (
+PATCHES["attn_l2pf"] = {"attention/sm90.cuh": [(PROLOGUE_END, "  if (st.valid) {\n" + (
     "    for (int i = threadIdx.x, lines = c.D / 64, hi = min(st.R.hi, st.f0);\n"
     "         i < max(0, hi - st.R.lo) * 2 * lines; i += NUM_THREADS) {\n"
     "      const int q = st.R.lo + i / (2 * lines), part = i % (2 * lines);\n"
@@ -172,7 +172,7 @@ PATCHES["attn_l2pf"] = {"attention/sm90.cuh": [(PROLOGUE_VALID, PROLOGUE_VALID +
     "      const bf16* row = (part < lines ? c.kc : c.vc) +\n"
     "                        ((long long)page * c.PS + q % c.PS) * c.KVH * c.D + (part % lines) * 64;\n"
     "      asm volatile(\"prefetch.global.L2::evict_last [%0];\" ::\"l\"(row));\n"
-    "    }\n"))]}
+    "    }\n  }\n") + PROLOGUE_END)]}
 # The loader holds its next copy while the consumers stage a task's input: a CTA-wide flag set
 # when the consumers start a record and cleared at the kind's INPUT mark (profiling builds
 # stamp it) or when the record ends.
