@@ -340,14 +340,17 @@ PATCHES["no_loader_moe_pf"] = {**PATCHES["no_loader"], **PATCHES["moe_pf"]}
 # Where a linear's input goes (timing; same results): INPUT := thread 0 before the chunk loop
 # (the task's set-up), after issuing its copies of chunk 0's x, once every thread's copies
 # landed (plus a barrier), or (rmsnorm) once the sums of squares are complete.
-MARK0 = "    stage_chunk(t, s, nw, ch);\n    if (ch == 0) a.mark(0);  // profiling: the input is in (stage_chunk ends with a barrier)\n"
+MARK0 = ("    stage_chunk(t, s, nw, ch);\n"
+         "    if (ch == 0) a.mark(0);  // profiling: the input is in"
+         " (stage_chunk ends with a barrier)\n")
 MARK0_PA = "    stage_chunk(t, s, nw, ch, ch == 0 ? a.marks : nullptr);\n"
 RAW_SIG = "int kfill, bool permute) {\n"
 CHUNK_SIG = "const bf16* nw,\n                                            int ch) {\n"
 RAW_CALL = "  stage_raw(t, s, k0, kc, kfill, !t.rms);\n"
-PA_EDITS = [(MARK0, MARK0_PA), (RAW_SIG, "int kfill, bool permute, unsigned long long* pm = nullptr) {\n"),
-            (CHUNK_SIG, CHUNK_SIG.replace("int ch) {", "int ch, unsigned long long* pm = nullptr) {")),
-            (RAW_CALL, RAW_CALL.replace("!t.rms);", "!t.rms, pm);"))]
+PM_ARG = "unsigned long long* pm = nullptr) {"
+PA_EDITS = [(MARK0, MARK0_PA), (RAW_SIG, RAW_SIG.replace(") {", ", " + PM_ARG)),
+            (CHUNK_SIG, CHUNK_SIG.replace("int ch) {", "int ch, " + PM_ARG)),
+            (RAW_CALL, RAW_CALL.replace(");", ", pm);"))]
 PM_MARK = "    if (pm && threadIdx.x == 0) pm[0] = mpk::ptx::globaltimer();\n"
 CHUNK_LOOP = "  int u0 = 0, buf = 0;\n  for (int ch = 0; ch < t.nch; ++ch) {\n"
 PATCHES["lin_i_entry"] = {"linear/sm90.cuh": [(MARK0, "    stage_chunk(t, s, nw, ch);\n"),
@@ -355,8 +358,10 @@ PATCHES["lin_i_entry"] = {"linear/sm90.cuh": [(MARK0, "    stage_chunk(t, s, nw,
 COMMIT = "    dev::cp_async_commit();\n"
 PATCHES["lin_i_issued"] = {"linear/sm90.cuh": [*PA_EDITS, (COMMIT, COMMIT + PM_MARK)]}
 WAITED = "    dev::cp_async_wait_all();\n  }\n"
+PM_SYNC_MARK = ("    if (pm) {\n      mpk::task_sync();\n" + PM_MARK.replace("    ", "      ", 1)
+                + "    }\n")
 PATCHES["lin_i_landed"] = {"linear/sm90.cuh": [*PA_EDITS, (WAITED, WAITED.replace(
-    "  }\n", "    if (pm) {\n      mpk::task_sync();\n" + PM_MARK.replace("    ", "      ", 1) + "    }\n  }\n"))]}
+    "  }\n", PM_SYNC_MARK + "  }\n"))]}
 SUMMED = "    sum_squares(t, s, kc, false);\n    mpk::task_sync();  // red complete\n"
 PATCHES["lin_i_summed"] = {"linear/sm90.cuh": [*PA_EDITS, (SUMMED, SUMMED + PM_MARK)]}
 RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "attn_nokv", "attn_l2pf": "attn_l2pf", "attn_m_scores": "attn_m_scores", "attn_m_block": "attn_m_block", "attn_m_loop": "attn_m_loop", "lin_m_allwalked": "lin_m_allwalked", "lin_e_done": "lin_e_done", "lin_e_finished": "lin_e_finished", "attn_m_polled": "attn_m_polled", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
