@@ -191,8 +191,8 @@ def kind_block(kind_id: int, name: str, constants: Mapping[str, int] | None = No
     return "\n".join(lines)
 
 
-def dispatch_block(kinds: Sequence[str]) -> str:
-    calls = outlined(kinds)
+def dispatch_block(kinds: Sequence[str], calls: frozenset[str]) -> str:
+    """One case a kind; `calls` (outlined) go through their run_outlined wrapper."""
     return "\n".join(f"    case {i}:\n      mpk::kinds::{name}::"
                      f"{'run_outlined' if name in calls else 'run'}(a);\n      break;"
                      for i, name in enumerate(kinds))
@@ -237,7 +237,7 @@ def render_kinds(kinds: Sequence[str], profile: bool = False, scratch_bytes: int
         "KINDS": "\n\n".join(kind_block(i, name, constants, flagged is None or name in flagged,
                                           name in calls)
                                for i, name in enumerate(kinds)),
-        "DISPATCH": dispatch_block(kinds),
+        "DISPATCH": dispatch_block(kinds, calls),
         "PROLOGUES": prologue_block(kinds),
         "KIND_NAMES": kind_names_block(kinds),
     }
