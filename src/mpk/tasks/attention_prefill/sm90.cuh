@@ -11,10 +11,10 @@
 // order, are taken 128 at a time (a pass: 16 per warp, one m16 tile each), copied into shared
 // memory with cp.async. Per pass, keys and values go in blocks of 64 positions through two
 // shared-memory buffers: block b + 1 is copied (cp.async, every thread a quarter of one key;
-// masked positions as zeros) while block b is attended. The page table of the positions the task sees is staged once. A position whose
-// page entry is outside the table or the pool is masked. Scores and P.V run on tensor cores
-// (mma.sync m16n8k16, bf16 in, fp32 accumulate; P rounded to bf16 as flash attention does),
-// online softmax in the exp2 domain per row.
+// masked positions as zeros) while block b is attended. The page table of the positions the
+// task sees is staged once. A position whose page entry is outside the table or the pool is
+// masked. Scores and P.V run on tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate; P
+// rounded to bf16 as flash attention does), online softmax in the exp2 domain per row.
 // head_dim: a multiple of 16 up to 128 (task.py CUDA_MAX_HEAD_DIM). Rows are staged DMAX wide
 // (PREFILL_HEAD_DIM, generated: 64 or 128, task.py staged_head_dim), zeros past D, so the loops
 // over the head dimension have compile-time bounds: with a branch on the runtime D between k

@@ -44,10 +44,12 @@ constexpr int BN_WIDE = 256, BN_NARROW = 128;   // task.py BN_WIDE, BN_NARROW
 constexpr int AHEAD = STAGES - 1;
 static_assert(BK * 2 == dev::SW128_ROW_BYTES, "a staged row is one 128-byte swizzle row");
 constexpr int A_BYTES = BM * BK * 2;
+// Both operands' k tile (task.py stage_bytes).
 template <int BN>
-__host__ __device__ constexpr int stage_bytes() { return (BM + BN) * BK * 2; }  // task.py stage_bytes
+__host__ __device__ constexpr int stage_bytes() { return (BM + BN) * BK * 2; }
+// The epilogue tile's row, bf16 elements (padded: no bank conflicts).
 template <int BN>
-__host__ __device__ constexpr int crow() { return BN + 8; }  // the epilogue tile's row, bf16 (padded: no conflicts)
+__host__ __device__ constexpr int crow() { return BN + 8; }
 static_assert(NUM_THREADS == 256, "two consumer warpgroups of 64 rows each");
 
 struct Gemm {
@@ -89,7 +91,8 @@ __device__ __forceinline__ TileCopies tile_copies(const Gemm& t, int m0, int n0)
 #pragma unroll
   for (int j = 0; j < BM / 32; ++j) p.a_ok |= (m0 + row + 32 * j < t.rows) << j;
 #pragma unroll
-  for (int j = 0; j < BN / 32; ++j) p.b_ok |= (n0 + row + 32 * gate_row_group<BN>(t, j) < t.hi) << j;
+  for (int j = 0; j < BN / 32; ++j)
+    p.b_ok |= (n0 + row + 32 * gate_row_group<BN>(t, j) < t.hi) << j;
   p.dst = dev::sw128_offset(row, c);
   return p;
 }
