@@ -2,7 +2,8 @@
 
 `replay` mirrors the CUDA consumer: runs -> pages, warp w takes task units w, w+8, ...; a
 block's row group per warp is (w - u0) mod nb and its k group (u - u0) // nb; each unit's lane
-(g, t) reads 16 bytes at lane*16 (stream row g, k 8t..8t+7 of the unit's 32). It rebuilds every
+(g, t) reads 16 bytes at lane*16 (stream row g, k 8t..8t+7 of the unit's 32), whose 4-byte word j
+meets the input's k pair MMA_KPAIRS[j] in the MMAs. It rebuilds every
 output from the stream bytes alone, so a wrong layout, page cut or index formula shows up as a
 wrong product. The CPU interpreter never uses the stream; this is its only check off the GPU.
 """
@@ -22,6 +23,11 @@ from mpk.tasks.linear import task as linear_task
 from mpk.testing import cuda_constants
 
 WARPS = 8
+# The kernel's MMAs (sm90.cuh header; mma.m16n8k16 fragments): MMA 1's B registers are the lane's
+# words 0, 1 and meet A registers a0, a2 of its input row, which in a natural-order staged row
+# (batch <= 8: the lane's 16-byte read as the whole A fragment) are the input's k pairs 0 and 2;
+# MMA 2's words 2, 3 meet a1, a3: pairs 1 and 3.
+MMA_KPAIRS = (0, 2, 1, 3)
 
 
 def _pages(stream: np.ndarray, shape: geo.LinearShape, task: int, offset: int) -> list[np.ndarray]:
@@ -43,7 +49,9 @@ def _unit_rows(pages: list[np.ndarray], pbase: int, u: int) -> np.ndarray:
     for lane in range(32):
         g, t = lane // 4, lane % 4
         raw = page[start + lane * 16: start + lane * 16 + 16].view(np.uint16)
-        unit[g, 8 * t: 8 * t + 8] = (raw.astype(np.uint32) << 16).view(np.float32)
+        values = (raw.astype(np.uint32) << 16).view(np.float32)
+        for j, pair in enumerate(MMA_KPAIRS):
+            unit[g, 8 * t + 2 * pair: 8 * t + 2 * pair + 2] = values[2 * j: 2 * j + 2]
     return unit
 
 

@@ -12,8 +12,9 @@ Vocabulary
   rows and the epilogue pairs them inside one warp.
 - row group (rg): 8 consecutive rows of Ws, the N of one mma.m16n8k16 (the staged input rows are
   its M).
-- unit: one row group x 32 k, 512 bytes, row-major [8][32] bf16: lane 4g+t reads its 16 bytes at
-  lane*16 (conflict-free) and they are its B fragments for two MMAs.
+- unit: one row group x 32 k, 512 bytes, [8][32] bf16: lane 4g+t reads its 16 bytes at lane*16
+  (conflict-free), stream row g's k 8t..8t+7 with its four k pairs in LANE_KPAIRS order, and they
+  are its B fragments for two MMAs (sm90.cuh's header: the pairs meet a natural-order input).
 - chunk: a range of at most `xc` k (the input rows staged in shared memory at once).
 - block: 8, 4, 2 or 1 consecutive row groups of one chunk (greedy from the task's first row
   group). Units of a block are kg-major: (kg 0: rg 0..n-1), (kg 1: ...), so consumer warp w,
@@ -36,6 +37,12 @@ ROWS = 8  # rows per row group
 UNIT_K = 32  # k per unit
 UNIT_BYTES = ROWS * UNIT_K * 2
 PAGE_UNITS = PAGE_BYTES // UNIT_BYTES  # 32
+# Word j (4 bytes) of a lane's 16-byte read holds k pair LANE_KPAIRS[j] (k 8t + 2p, +1) of its
+# 8: MMA 1 takes words 0, 1 against the input's pairs 0, 2 (its A registers a0, a2 of a staged
+# natural-order row), MMA 2 words 2, 3 against pairs 1, 3 (a1, a3).
+LANE_KPAIRS = (0, 2, 1, 3)
+# The k order of a unit's rows in the stream: lane word order within each 8 k.
+_UNIT_K_ORDER = [8 * t + 2 * p + e for t in range(UNIT_K // 8) for p in LANE_KPAIRS for e in (0, 1)]
 WARPS = 8  # consumer warps; a block of 8 row groups gives each warp one row group
 BLOCK_SIZES = (8, 4, 2, 1)
 MAX_RUNS = 3  # (page count, bytes) runs of a task's stream (record.STREAM_RUNS)
@@ -140,6 +147,7 @@ def build_stream(shape: LinearShape, weight: torch.Tensor,
     padded = ws.new_zeros(r_pad, k_pad)
     padded[: ws.shape[0], : shape.k] = ws
     units = padded.reshape(r_pad // ROWS, ROWS, k_pad // UNIT_K, UNIT_K).permute(0, 2, 1, 3)
+    units = units[..., torch.as_tensor(_UNIT_K_ORDER, device=weight.device)]
     rg_index, kg_index, counts = _unit_index(shape, r_pad // ROWS - 1)
     device = weight.device
     gathered = units[torch.as_tensor(rg_index, device=device),

@@ -14,19 +14,20 @@
 // in shared memory in warp order (deterministic), then the CTA writes them.
 //
 // MMA (mma.m16n8k16, bf16 in, fp32 accumulate): A = the staged input rows (M = batch rows,
-// 16 at most), B = the weight unit (N = its 8 stream rows), so a lane's 16-byte unit read (row
-// g = lane/4, k 8t..8t+7, t = lane%4; words w0..w3 = k pairs 8t+2i, +1) is, untouched, the B
-// fragment of two MMAs: (w0, w1) and (w2, w3). A dot product may visit k in any order, so MMA 1
-// pairs its k slots (2t, 2t+1 | 2t+8, 2t+9) with k (8t, 8t+1 | 8t+2, 8t+3) and MMA 2 with
-// (8t+4, 8t+5 | 8t+6, 8t+7).
-//   batch <= 8: each staged row stores its 8-k groups as words (w0, w2, w1, w3), so a lane's
-//     16-byte read q of row g holds both MMAs' words of that row without register moves, and
-//     both MMAs take q as their whole A fragment: MMA 1's rows 0-7 meet words 0, 1 (right),
-//     MMA 2's rows 8-15 meet words 2, 3 of the same input row (right); the other halves of D are
-//     discarded. Output (b, n) = D1[b][n] + D2[b + 8][n], both held by lane (b, n / 2).
+// 16 at most), B = the weight unit (N = its 8 stream rows). A lane's 16-byte unit read (row
+// g = lane/4, t = lane%4) holds words W0..W3 = the k pairs (8t, 8t+1), (8t+4, 8t+5),
+// (8t+2, 8t+3), (8t+6, 8t+7) of its row (geometry.LANE_KPAIRS: laid out so at bind time), and
+// is, untouched, the B fragment of two MMAs: (W0, W1) and (W2, W3). A dot product may visit k
+// in any order, so MMA 1 pairs its k slots (2t, 2t+1 | 2t+8, 2t+9) with k (8t, 8t+1 | 8t+4,
+// 8t+5) and MMA 2 with (8t+2, 8t+3 | 8t+6, 8t+7). With x's words w0..w3 = its natural k pairs
+// 8t+2i, +1:
+//   batch <= 8: rows are staged in natural order, and a lane's 16-byte read q of row g is both
+//     MMAs' whole A fragment with no register moves: MMA 1's rows 0-7 meet words w0, w2
+//     (right), MMA 2's rows 8-15 meet w1, w3 of the same input row (right); the other halves of
+//     D are discarded. Output (b, n) = D1[b][n] + D2[b + 8][n], both held by lane (b, n / 2).
 //   batch 9-16 ("wide"): a lane reads two 16-byte words at the same place of rows g and g + 8,
 //     MMA 1's and MMA 2's whole A fragments: the staging permutes each pair of vectors (row p and
-//     p + 8, same k) into (p: w0, p+8: w0, p: w1, p+8: w1) at row p's place and (p: w2, p+8: w2,
+//     p + 8, same k) into (p: w0, p+8: w0, p: w2, p+8: w2) at row p's place and (p: w1, p+8: w1,
 //     p: w3, p+8: w3) at row p + 8's; output (b, n) = D1[b][n] + D2[b][n]. Rows past B are
 //     staged as zeros (16 rows are staged).
 // A lane (g, t) ends with outputs (batch g and g + 8) x (stream rows 2t, 2t + 1); rows of A past
@@ -36,9 +37,9 @@
 // per 8 k: a warp's copies are contiguous in global AND shared memory, at the same relative
 // offsets, so they coalesce; a strided shared destination, or lanes alternating between two
 // rows, made every lane's copy its own wavefront and sector: perf-log, tenth and eleventh
-// sessions), then each vector's words are permuted in place (or by the rmsnorm pass, which writes
-// the normalised values permuted) by the thread that copied them (wide: it copied both rows of
-// the pair), as the reference rounds them (rmsnorm: bf16 values of numerics.rmsnorm_rows). The
+// sessions); wide, each pair of vectors is then permuted in place (or by the rmsnorm pass, which
+// writes the normalised values permuted) by the thread that copied both, as the reference rounds
+// them (rmsnorm: bf16 values of numerics.rmsnorm_rows). The
 // row stride (64 mod 128 bytes) spreads a quarter-warp's 16-byte reads over all banks. Several
 // chunks (large K x batch) add each chunk's sums into fp32 `acc`.
 // Flagged x / residual / out (compiler/flags.py, common/flags.cuh): x is polled into place
@@ -222,16 +223,16 @@ __device__ __forceinline__ void resid_values(const Task& t, int b, int n, unsign
 __device__ __forceinline__ int out_col(const Task& t, int rg, int g) { return t.n0 + rg * kRows + g; }
 
 // ---- input staging ---------------------------------------------------------------------------
-// Where the 8 k of vector v of input row b land (natural order until permuted in place).
+// Where the 8 k of vector v of input row b land (natural order; wide: until permuted in place).
 __device__ __forceinline__ bf16* landing(const Scratch& s, int b, int v) { return s.xs + b * s.XS + v * 8; }
 
-// The A-fragment order of one staged vector, from natural order.
-__device__ __forceinline__ uint4 single_order(const uint4& w) { return make_uint4(w.x, w.z, w.y, w.w); }
-// Wide: vector v of rows p (lo) and p + 8 (hi), natural order, into MMA 1's fragment at row p's
-// place and MMA 2's at row p + 8's (header). By value: at and ah may be where lo and hi came from.
-__device__ __forceinline__ void store_pair(uint4* at, uint4* ah, const uint4 lo, const uint4 hi) {
-  *at = make_uint4(lo.x, hi.x, lo.y, hi.y);
-  *ah = make_uint4(lo.z, hi.z, lo.w, hi.w);
+// Wide: vector v of rows p (lo) and p + 8 (hi), natural order, as MMA 1's fragment (at row p's
+// place) and MMA 2's (at row p + 8's; header).
+__device__ __forceinline__ uint4 mma1_pair(const uint4& lo, const uint4& hi) {
+  return make_uint4(lo.x, hi.x, lo.z, hi.z);
+}
+__device__ __forceinline__ uint4 mma2_pair(const uint4& lo, const uint4& hi) {
+  return make_uint4(lo.y, hi.y, lo.w, hi.w);
 }
 
 // Copy (or zero) vector v of input row b: k < kc of real rows, zeros elsewhere.
@@ -261,46 +262,37 @@ __device__ __forceinline__ void poll_stage(const Task& t, const Scratch& s, int 
   }
 }
 
-// Put each landed vector this thread copied (idx = tid + i * NUM_THREADS, as stage_raw's copy
-// loop) into A-fragment order; no barrier needed before: its own copies. Two vectors (wide: two
-// pairs) a round, both loaded before either is stored, by 32-bit shared addresses (the same
-// round through generic pointers spilled at batch 16). At batch 16 this pass took 1.1-1.6 us of
-// a linear's input, one vector a round; two measured qwen3-0.6b b16 -0.6% a step, four spilled
-// (perf-log, twenty-seventh session).
-__device__ __forceinline__ void permute_landed(const Task& t, const Scratch& s, int vfill,
-                                               int total) {
+// Wide: put each landed pair of vectors this thread copied (idx = tid + i * NUM_THREADS over
+// rows p < 8, as stage_raw's copy loop) into A-fragment order; no barrier needed before: its own
+// copies. Two pairs a round, all loaded before any is stored, by 32-bit shared addresses (the same
+// round through generic pointers spilled). At batch 16 this pass took 1.1-1.6 us of a linear's
+// input, one pair a round; two measured qwen3-0.6b b16 -0.6% a step, four spilled (perf-log,
+// twenty-seventh session).
+__device__ __forceinline__ void permute_landed(const Scratch& s, int vfill, int total) {
   const unsigned xs = dev::smem_addr(s.xs), hi_off = (unsigned)(kRows * s.XS * 2);
   for (int i0 = threadIdx.x; i0 < total; i0 += 2 * NUM_THREADS) {
     const int i1 = i0 + NUM_THREADS, r0 = i0 / vfill, r1 = i1 / vfill;
     const bool two = i1 < total;
     const unsigned a0 = xs + (unsigned)((r0 * s.XS + (i0 - r0 * vfill) * 8) * 2);
     const unsigned a1 = xs + (unsigned)((r1 * s.XS + (i1 - r1 * vfill) * 8) * 2);
-    const uint4 lo0 = dev::lds_v4(a0);
-    const uint4 hi0 = t.wide ? dev::lds_v4(a0 + hi_off) : lo0;
-    uint4 lo1 = lo0, hi1 = lo0;
+    const uint4 lo0 = dev::lds_v4(a0), hi0 = dev::lds_v4(a0 + hi_off);
+    uint4 lo1 = lo0, hi1 = hi0;
+    if (two) lo1 = dev::lds_v4(a1), hi1 = dev::lds_v4(a1 + hi_off);
+    dev::sts_v4(a0, mma1_pair(lo0, hi0));
+    dev::sts_v4(a0 + hi_off, mma2_pair(lo0, hi0));
     if (two) {
-      lo1 = dev::lds_v4(a1);
-      if (t.wide) hi1 = dev::lds_v4(a1 + hi_off);
-    }
-    if (t.wide) {
-      dev::sts_v4(a0, make_uint4(lo0.x, hi0.x, lo0.y, hi0.y));
-      dev::sts_v4(a0 + hi_off, make_uint4(lo0.z, hi0.z, lo0.w, hi0.w));
-      if (two) {
-        dev::sts_v4(a1, make_uint4(lo1.x, hi1.x, lo1.y, hi1.y));
-        dev::sts_v4(a1 + hi_off, make_uint4(lo1.z, hi1.z, lo1.w, hi1.w));
-      }
-    } else {
-      dev::sts_v4(a0, single_order(lo0));
-      if (two) dev::sts_v4(a1, single_order(lo1));
+      dev::sts_v4(a1, mma1_pair(lo1, hi1));
+      dev::sts_v4(a1 + hi_off, mma2_pair(lo1, hi1));
     }
   }
 }
 
 // Copy x[b][k0, k0+kc) of every row into place with cp.async, zeros for k in [kc, kfill) and,
 // wide, for rows past B (a thread copies vector v of rows r and r + 8: two coalesced warp
-// copies). `permute`: each thread then puts the vectors it copied into A-fragment order (no
-// barrier needed: its own copies; a flagged x is polled in another order, then a barrier);
-// without it (rmsnorm) they stay natural for the norm pass. Ends with a barrier.
+// copies); a flagged x is polled into place instead. Rows stay in natural order, the order the
+// walk reads at batch <= 8 and the norm pass reads; `permute` (wide, no rmsnorm): the pairs are
+// then put into A-fragment order (permute_landed; a flagged x, polled in another order, after a
+// barrier). Ends with a barrier.
 __device__ __forceinline__ void stage_raw(const Task& t, const Scratch& s, int k0, int kc,
                                           int kfill, bool permute) {
   const int tid = threadIdx.x;
@@ -317,7 +309,7 @@ __device__ __forceinline__ void stage_raw(const Task& t, const Scratch& s, int k
     dev::cp_async_commit();
     dev::cp_async_wait_all();
   }
-  if (permute) permute_landed(t, s, vfill, total);
+  if (permute) permute_landed(s, vfill, total);
   mpk::task_sync();
 }
 
@@ -362,10 +354,10 @@ __device__ __forceinline__ uint4 norm_vec(const uint4& x, const uint4& w, float 
 }
 
 // rmsnorm the landed chunk (norm weight nw[k0 ..], the rows' sums of squares complete in red)
-// and put it into A-fragment order; ends with a barrier. Lane b of every warp derives row b's
-// inverse rms and the warp shares it by shuffles (no extra barrier for one thread to publish it;
-// the division stays out of the loop). Wide: a thread takes vector v of rows r and r + 8 (those
-// past B stay zero).
+// in place (natural order; wide: each pair into A-fragment order); ends with a barrier. Lane b of
+// every warp derives row b's inverse rms and the warp shares it by shuffles (no extra barrier for
+// one thread to publish it; the division stays out of the loop). Wide: a thread takes vector v of
+// rows r and r + 8 (those past B stay zero).
 __device__ __forceinline__ void normalize(const Task& t, const Scratch& s, const bf16* nw, int k0,
                                           int kc) {
   const int vpr = kc / 8, lane = threadIdx.x & 31;
@@ -383,9 +375,11 @@ __device__ __forceinline__ void normalize(const Task& t, const Scratch& s, const
     const uint4 lo = norm_vec(*at, w, inv_lo);
     if (t.wide) {
       uint4* ah = reinterpret_cast<uint4*>(landing(s, r + kRows, v));
-      store_pair(at, ah, lo, r + kRows < t.B ? norm_vec(*ah, w, inv_hi) : *ah);
+      const uint4 hi = r + kRows < t.B ? norm_vec(*ah, w, inv_hi) : *ah;
+      *at = mma1_pair(lo, hi);
+      *ah = mma2_pair(lo, hi);
     } else {
-      *at = single_order(lo);
+      *at = lo;
     }
   }
   mpk::task_sync();
@@ -627,7 +621,7 @@ __device__ __forceinline__ void stage_chunk(const Task& t, const Scratch& s, con
       mpk::task_sync();  // xs is restaged next (and red is complete after the last chunk)
     }
   }
-  stage_raw(t, s, k0, kc, kfill, !t.rms);
+  stage_raw(t, s, k0, kc, kfill, t.wide && !t.rms);
   if (!t.rms) return;
   if (t.nch == 1) {
     sum_squares(t, s, kc, false);
