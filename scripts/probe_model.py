@@ -346,7 +346,7 @@ MARK0 = ("    stage_chunk(t, s, nw, ch);\n"
 MARK0_PA = "    stage_chunk(t, s, nw, ch, ch == 0 ? a.marks : nullptr);\n"
 RAW_SIG = "int kfill, bool permute) {\n"
 CHUNK_SIG = "const bf16* nw,\n                                            int ch) {\n"
-RAW_CALL = "  stage_raw(t, s, k0, kc, kfill, !t.rms);\n"
+RAW_CALL = "  stage_raw(t, s, k0, kc, kfill, t.wide && !t.rms);\n"
 PM_ARG = "unsigned long long* pm = nullptr) {"
 PA_EDITS = [(MARK0, MARK0_PA), (RAW_SIG, RAW_SIG.replace(") {", ", " + PM_ARG)),
             (CHUNK_SIG, CHUNK_SIG.replace("int ch) {", "int ch, " + PM_ARG)),
