@@ -133,10 +133,6 @@ __device__ __forceinline__ uint4 lds_v4(unsigned addr) {
                : "r"(addr));
   return v;
 }
-__device__ __forceinline__ void sts_v4(unsigned addr, const uint4& v) {
-  asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};"
-               ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
-}
 __device__ __forceinline__ uint32_t lds_u32(unsigned addr) {
   uint32_t v;
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));

@@ -21,27 +21,26 @@
 // in any order, so MMA 1 pairs its k slots (2t, 2t+1 | 2t+8, 2t+9) with k (8t, 8t+1 | 8t+4,
 // 8t+5) and MMA 2 with (8t+2, 8t+3 | 8t+6, 8t+7). With x's words w0..w3 = its natural k pairs
 // 8t+2i, +1:
-//   batch <= 8: rows are staged in natural order, and a lane's 16-byte read q of row g is both
-//     MMAs' whole A fragment with no register moves: MMA 1's rows 0-7 meet words w0, w2
-//     (right), MMA 2's rows 8-15 meet w1, w3 of the same input row (right); the other halves of
-//     D are discarded. Output (b, n) = D1[b][n] + D2[b + 8][n], both held by lane (b, n / 2).
-//   batch 9-16 ("wide"): a lane reads two 16-byte words at the same place of rows g and g + 8,
-//     MMA 1's and MMA 2's whole A fragments: the staging permutes each pair of vectors (row p and
-//     p + 8, same k) into (p: w0, p+8: w0, p: w2, p+8: w2) at row p's place and (p: w1, p+8: w1,
-//     p: w3, p+8: w3) at row p + 8's; output (b, n) = D1[b][n] + D2[b][n]. Rows past B are
-//     staged as zeros (16 rows are staged).
-// A lane (g, t) ends with outputs (batch g and g + 8) x (stream rows 2t, 2t + 1); rows of A past
-// the batch (a clamped real row, or wide, zeros) only reach discarded rows of D.
+//   Rows are staged in natural order, and a lane's 16-byte read q of row g is both MMAs' whole A
+//     fragment with no register moves: MMA 1's rows 0-7 meet words w0, w2 (right), MMA 2's rows
+//     8-15 meet w1, w3 of the same input row (right); the other halves of D are discarded.
+//     Output (g, n) = D1[g][n] + D2[g + 8][n], both held by lane (g, n / 2).
+//   batch 9-16 ("wide"): the same two MMAs once more for row g + 8 (its own accumulators): four
+//     MMAs a unit, where rows g and g + 8 interleaved into one A fragment took two but needed a
+//     permute pass over the staged rows (1.1-1.6 us of a b16 input: perf-log, twenty-seventh
+//     session). Rows past B are staged as zeros (16 rows are staged).
+// A lane (g, t) ends with outputs (batch g and g + 8) x (stream rows 2t, 2t + 1). Rows past the
+// batch: at b <= 8 the walk reads a clamped real row (its sums are discarded), wide they are
+// staged zeros (their outputs are not stored).
 //
 // Input rows: copied with cp.async into place in natural order, row after row (a 16-byte vector
 // per 8 k: a warp's copies are contiguous in global AND shared memory, at the same relative
 // offsets, so they coalesce; a strided shared destination, or lanes alternating between two
 // rows, made every lane's copy its own wavefront and sector: perf-log, tenth and eleventh
-// sessions); wide, each pair of vectors is then permuted in place (or by the rmsnorm pass, which
-// writes the normalised values permuted) by the thread that copied both, as the reference rounds
-// them (rmsnorm: bf16 values of numerics.rmsnorm_rows). The
-// row stride (64 mod 128 bytes) spreads a quarter-warp's 16-byte reads over all banks. Several
-// chunks (large K x batch) add each chunk's sums into fp32 `acc`.
+// sessions), and stay so (rmsnorm: normalised in place as the reference rounds them, bf16
+// values of numerics.rmsnorm_rows). The row stride (64 mod 128 bytes) spreads a quarter-warp's
+// 16-byte reads over all banks. Several chunks (large K x batch) add each chunk's sums into fp32
+// `acc`.
 // Flagged x / residual / out (compiler/flags.py, common/flags.cuh): x is polled into place
 // instead of copied, the residual's word checked for its epoch after the walk, outputs written as
 // one word per pair of columns (every epilogue writes pairs).
@@ -223,17 +222,8 @@ __device__ __forceinline__ void resid_values(const Task& t, int b, int n, unsign
 __device__ __forceinline__ int out_col(const Task& t, int rg, int g) { return t.n0 + rg * kRows + g; }
 
 // ---- input staging ---------------------------------------------------------------------------
-// Where the 8 k of vector v of input row b land (natural order; wide: until permuted in place).
+// Where the 8 k of vector v of input row b land (natural order).
 __device__ __forceinline__ bf16* landing(const Scratch& s, int b, int v) { return s.xs + b * s.XS + v * 8; }
-
-// Wide: vector v of rows p (lo) and p + 8 (hi), natural order, as MMA 1's fragment (at row p's
-// place) and MMA 2's (at row p + 8's; header).
-__device__ __forceinline__ uint4 mma1_pair(const uint4& lo, const uint4& hi) {
-  return make_uint4(lo.x, hi.x, lo.z, hi.z);
-}
-__device__ __forceinline__ uint4 mma2_pair(const uint4& lo, const uint4& hi) {
-  return make_uint4(lo.y, hi.y, lo.w, hi.w);
-}
 
 // Copy (or zero) vector v of input row b: k < kc of real rows, zeros elsewhere.
 __device__ __forceinline__ void stage_vec(const Task& t, const Scratch& s, int b, int v, int k0,
@@ -262,44 +252,16 @@ __device__ __forceinline__ void poll_stage(const Task& t, const Scratch& s, int 
   }
 }
 
-// Wide: put each landed pair of vectors this thread copied (idx = tid + i * NUM_THREADS over
-// rows p < 8, as stage_raw's copy loop) into A-fragment order; no barrier needed before: its own
-// copies. Two pairs a round, all loaded before any is stored, by 32-bit shared addresses (the same
-// round through generic pointers spilled). At batch 16 this pass took 1.1-1.6 us of a linear's
-// input, one pair a round; two measured qwen3-0.6b b16 -0.6% a step, four spilled (perf-log,
-// twenty-seventh session).
-__device__ __forceinline__ void permute_landed(const Scratch& s, int vfill, int total) {
-  const unsigned xs = dev::smem_addr(s.xs), hi_off = (unsigned)(kRows * s.XS * 2);
-  for (int i0 = threadIdx.x; i0 < total; i0 += 2 * NUM_THREADS) {
-    const int i1 = i0 + NUM_THREADS, r0 = i0 / vfill, r1 = i1 / vfill;
-    const bool two = i1 < total;
-    const unsigned a0 = xs + (unsigned)((r0 * s.XS + (i0 - r0 * vfill) * 8) * 2);
-    const unsigned a1 = xs + (unsigned)((r1 * s.XS + (i1 - r1 * vfill) * 8) * 2);
-    const uint4 lo0 = dev::lds_v4(a0), hi0 = dev::lds_v4(a0 + hi_off);
-    uint4 lo1 = lo0, hi1 = hi0;
-    if (two) lo1 = dev::lds_v4(a1), hi1 = dev::lds_v4(a1 + hi_off);
-    dev::sts_v4(a0, mma1_pair(lo0, hi0));
-    dev::sts_v4(a0 + hi_off, mma2_pair(lo0, hi0));
-    if (two) {
-      dev::sts_v4(a1, mma1_pair(lo1, hi1));
-      dev::sts_v4(a1 + hi_off, mma2_pair(lo1, hi1));
-    }
-  }
-}
-
 // Copy x[b][k0, k0+kc) of every row into place with cp.async, zeros for k in [kc, kfill) and,
 // wide, for rows past B (a thread copies vector v of rows r and r + 8: two coalesced warp
-// copies); a flagged x is polled into place instead. Rows stay in natural order, the order the
-// walk reads at batch <= 8 and the norm pass reads; `permute` (wide, no rmsnorm): the pairs are
-// then put into A-fragment order (permute_landed; a flagged x, polled in another order, after a
-// barrier). Ends with a barrier.
+// copies); a flagged x is polled into place instead. Natural order, as the walk reads it. Ends
+// with a barrier.
 __device__ __forceinline__ void stage_raw(const Task& t, const Scratch& s, int k0, int kc,
-                                          int kfill, bool permute) {
+                                          int kfill) {
   const int tid = threadIdx.x;
   const int vpr = kc / 8, vfill = kfill / 8, total = pass_rows(t) * vfill;
   if (t.x_ep) {
     poll_stage(t, s, k0, vpr, vfill);
-    if (permute) mpk::task_sync();
   } else {
     for (int idx = tid; idx < total; idx += NUM_THREADS) {
       const int r = idx / vfill, v = idx - r * vfill;
@@ -309,7 +271,6 @@ __device__ __forceinline__ void stage_raw(const Task& t, const Scratch& s, int k
     dev::cp_async_commit();
     dev::cp_async_wait_all();
   }
-  if (permute) permute_landed(s, vfill, total);
   mpk::task_sync();
 }
 
@@ -354,10 +315,9 @@ __device__ __forceinline__ uint4 norm_vec(const uint4& x, const uint4& w, float 
 }
 
 // rmsnorm the landed chunk (norm weight nw[k0 ..], the rows' sums of squares complete in red)
-// in place (natural order; wide: each pair into A-fragment order); ends with a barrier. Lane b of
-// every warp derives row b's inverse rms and the warp shares it by shuffles (no extra barrier for
-// one thread to publish it; the division stays out of the loop). Wide: a thread takes vector v of
-// rows r and r + 8 (those past B stay zero).
+// in place; ends with a barrier. Lane b of every warp derives row b's inverse rms and the warp
+// shares it by shuffles (no extra barrier for one thread to publish it; the division stays out of
+// the loop). Wide: a thread takes vector v of rows r and r + 8 (those past B stay zero).
 __device__ __forceinline__ void normalize(const Task& t, const Scratch& s, const bf16* nw, int k0,
                                           int kc) {
   const int vpr = kc / 8, lane = threadIdx.x & 31;
@@ -372,14 +332,10 @@ __device__ __forceinline__ void normalize(const Task& t, const Scratch& s, const
     if (idx >= total) continue;
     const uint4 w = *reinterpret_cast<const uint4*>(nw + k0 + v * 8);
     uint4* at = reinterpret_cast<uint4*>(landing(s, r, v));
-    const uint4 lo = norm_vec(*at, w, inv_lo);
-    if (t.wide) {
+    *at = norm_vec(*at, w, inv_lo);
+    if (t.wide && r + kRows < t.B) {
       uint4* ah = reinterpret_cast<uint4*>(landing(s, r + kRows, v));
-      const uint4 hi = r + kRows < t.B ? norm_vec(*ah, w, inv_hi) : *ah;
-      *at = mma1_pair(lo, hi);
-      *ah = mma2_pair(lo, hi);
-    } else {
-      *at = lo;
+      *ah = norm_vec(*ah, w, inv_hi);
     }
   }
   mpk::task_sync();
@@ -616,12 +572,12 @@ __device__ __forceinline__ void stage_chunk(const Task& t, const Scratch& s, con
   if (t.rms && t.nch > 1 && ch == 0) {  // the inverse rms needs whole rows first
     for (int c = 0; c < t.nch; ++c) {
       const int c0 = c * t.xc, cl = min(t.xc, t.K - c0);
-      stage_raw(t, s, c0, cl, cl, false);
+      stage_raw(t, s, c0, cl, cl);
       sum_squares(t, s, cl, c > 0);
       mpk::task_sync();  // xs is restaged next (and red is complete after the last chunk)
     }
   }
-  stage_raw(t, s, k0, kc, kfill, t.wide && !t.rms);
+  stage_raw(t, s, k0, kc, kfill);
   if (!t.rms) return;
   if (t.nch == 1) {
     sum_squares(t, s, kc, false);

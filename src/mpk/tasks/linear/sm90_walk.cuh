@@ -14,11 +14,11 @@ struct Acc {
 constexpr int kWarpUnitsPerPage = kPageUnits / kWarps;
 static_assert(kPageUnits % kWarps == 0, "a page holds whole rounds of the warps' units");
 
-// One unit: the weight read w is both MMAs' B fragments; a and a2 their A fragments (batch <= 8
-// both are the lane's quad of row g; wide, its reads of rows g and g + 8: header).
-__device__ __forceinline__ void mma_unit(Acc& c, const uint4& w, const uint4& a, const uint4& a2) {
+// One unit for one input row: the weight read w is both MMAs' B fragments, the lane's 16-byte
+// read a of the row (natural order) both MMAs' whole A fragment (header).
+__device__ __forceinline__ void mma_unit(Acc& c, const uint4& w, const uint4& a) {
   dev::mma_bf16_16816(c.p, a.x, a.y, a.z, a.w, w.x, w.y);
-  dev::mma_bf16_16816(c.q, a2.x, a2.y, a2.z, a2.w, w.z, w.w);
+  dev::mma_bf16_16816(c.q, a.x, a.y, a.z, a.w, w.z, w.w);
 }
 
 // A warp's weight reads of one page (its units' B fragments), loaded a page ahead of their MMAs.
@@ -44,8 +44,11 @@ __device__ __forceinline__ void load_page(PageFrags& f, uint32_t pg, int u, int 
     load_units<false>(f, pg, u, n);
 }
 
-// The MMAs of a loaded page on two accumulator chains, their A fragments read first (x, xh:
-// the lane's fragment address of the page's first unit in row g, g + 8). kWhole: no per-unit
+// The MMAs of a loaded page, their A fragments read first (x, xh: the lane's fragment address of
+// the page's first unit in row g, g + 8). Batch <= 8: row g's MMAs on two accumulator chains
+// (alternate units). Wide: rows g (acc) and g + 8 (extra), the same MMAs for each: four MMAs a
+// unit where a permuted pair of rows took two, so the staged rows need no permute pass (perf-log,
+// twenty-seventh session: that pass was 1.1-1.6 us of a b16 input). kWhole: no per-unit
 // predicate (a predicated MMA is a convergence point: each waited for its own A read).
 template <bool kWhole, bool kWide>
 __device__ __forceinline__ void mma_units(const PageFrags& f, int n, unsigned x, unsigned xh,
@@ -53,9 +56,10 @@ __device__ __forceinline__ void mma_units(const PageFrags& f, int n, unsigned x,
   if constexpr (kWide) {  // two fragments a unit, read at their MMAs (ahead: too many registers)
 #pragma unroll
     for (int j = 0; j < kWarpUnitsPerPage; ++j)
-      if (kWhole || j < n)
-        mma_unit((j & 1) ? extra : acc, f.w[j], dev::lds_v4(x + j * xstep),
-                 dev::lds_v4(xh + j * xstep));
+      if (kWhole || j < n) {
+        mma_unit(acc, f.w[j], dev::lds_v4(x + j * xstep));
+        mma_unit(extra, f.w[j], dev::lds_v4(xh + j * xstep));
+      }
   } else {
     uint4 a[kWarpUnitsPerPage];
 #pragma unroll
@@ -63,7 +67,7 @@ __device__ __forceinline__ void mma_units(const PageFrags& f, int n, unsigned x,
       if (kWhole || j < n) a[j] = dev::lds_v4(x + j * xstep);
 #pragma unroll
     for (int j = 0; j < kWarpUnitsPerPage; ++j)
-      if (kWhole || j < n) mma_unit((j & 1) ? extra : acc, f.w[j], a[j], a[j]);
+      if (kWhole || j < n) mma_unit((j & 1) ? extra : acc, f.w[j], a[j]);
   }
 }
 template <bool kWide>
@@ -135,7 +139,7 @@ __device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::
   const int row = kWide ? g : min(g, t.B - 1);
   const unsigned x = dev::smem_addr(s.xs + row * s.XS) + tq * (kGroupBytes / 4) + kg0;
   const unsigned xh = x + (unsigned)(kRows * s.XS * 2);  // wide: row g + 8
-  Acc acc, extra;  // two chains
+  Acc acc, extra;  // two chains (wide: rows g and g + 8)
 #pragma unroll
   for (int e = 0; e < 4; ++e) acc.p[e] = acc.q[e] = extra.p[e] = extra.q[e] = 0.f;
   if (first < end) {
@@ -150,8 +154,9 @@ __device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    // batch <= 8: output (g, n) = D1[g][n] + D2[g + 8][n]; wide: D1 + D2 for both rows (header)
-    r[j] = kWide ? (acc.p[j] + extra.p[j]) + (acc.q[j] + extra.q[j])
+    // Row g's output n is D1[g][n] + D2[g + 8][n] (header); wide, row g + 8's is the same of
+    // extra's MMAs.
+    r[j] = kWide ? (j < 2 ? acc.p[j] + acc.q[j + 2] : extra.p[j - 2] + extra.q[j])
            : j < 2 ? (acc.p[j] + extra.p[j]) + (acc.q[j + 2] + extra.q[j + 2])
                    : 0.f;
   }
