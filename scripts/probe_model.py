@@ -72,8 +72,8 @@ PATCHES["pagewait1"] = {
 # The page protocol without the units. Timing only.
 PATCHES["no_units"] = {"linear/sm90_walk.cuh": [
     (UNIT_W, "    ;\n"), (UNIT_X, "      ;\n"), (UNIT_MMA, "      ;\n"),
-    ("        mma_unit((j & 1) ? extra : acc, f.w[j], dev::lds_v4(x + j * xstep),\n"
-     "                 dev::lds_v4(xh + j * xstep));\n", "        ;\n")]}
+    ("        mma_unit(acc, f.w[j], dev::lds_v4(x + j * xstep));\n"
+     "        mma_unit(extra, f.w[j], dev::lds_v4(xh + j * xstep));\n", "        ;\n")]}
 # WAIT := when the loader issued the record's last page copy (the consumers' own WAIT stamp is
 # dropped): RUN - WAIT is how far ahead of the task the loader was.
 RECORD_END = "        src += sizes[r];\n      }\n    }\n"
@@ -344,9 +344,9 @@ MARK0 = ("    stage_chunk(t, s, nw, ch);\n"
          "    if (ch == 0) a.mark(0);  // profiling: the input is in"
          " (stage_chunk ends with a barrier)\n")
 MARK0_PA = "    stage_chunk(t, s, nw, ch, ch == 0 ? a.marks : nullptr);\n"
-RAW_SIG = "int kfill, bool permute) {\n"
+RAW_SIG = "int kfill) {\n"
 CHUNK_SIG = "const bf16* nw,\n                                            int ch) {\n"
-RAW_CALL = "  stage_raw(t, s, k0, kc, kfill, t.wide && !t.rms);\n"
+RAW_CALL = "  stage_raw(t, s, k0, kc, kfill);\n"
 PM_ARG = "unsigned long long* pm = nullptr) {"
 PA_EDITS = [(MARK0, MARK0_PA), (RAW_SIG, RAW_SIG.replace(") {", ", " + PM_ARG)),
             (CHUNK_SIG, CHUNK_SIG.replace("int ch) {", "int ch, " + PM_ARG)),

@@ -66,7 +66,7 @@ CHUNK_END = "    if (ch + 1 < t.nch) mpk::task_sync();\n"
 FINISH = "  pc.finish();\n  if (t.argmax)"
 # The walk's units at batch <= 8 (mma_units, narrow): A reads, MMAs; and a page's weight reads.
 UNIT_X = "      if (kWhole || j < n) a[j] = dev::lds_v4(x + j * xstep);\n"
-UNIT_MMA = "      if (kWhole || j < n) mma_unit((j & 1) ? extra : acc, f.w[j], a[j], a[j]);\n"
+UNIT_MMA = "      if (kWhole || j < n) mma_unit((j & 1) ? extra : acc, f.w[j], a[j]);\n"
 UNIT_W = "    if (kWhole || j < n) f.w[j] = dev::lds_v4(wu + j * kWarps * kUnitBytes);\n"
 FIRST_WAIT = "    if (!ptx::mbar_try_wait(bar, parity)) {\n"
 PAGE_WAIT = """    if (!ptx::mbar_try_wait(bar, parity)) {
