@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from mpk.graph.graph import Graph
-from tests.gpu.kernel_helpers import BF16, F32, I32, Role, assert_close, gen, randn, run_both
+from mpk.compiler.lower import compile_graph
+from tests.gpu.kernel_helpers import (BF16, F32, I32, Role, assert_close, gen, randn, run_both,
+                                      run_on)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.nvcc]
 
@@ -126,3 +128,33 @@ def test_linear_argmax_samples_like_the_interpreter():
     same = (cpu["tokens_out"] == gpu["tokens_out"]).float().mean(dim=0)
     assert bool((same >= 0.97).all()), (same, cpu["tokens_out"][:8], gpu["tokens_out"][:8])
     assert bool((cpu["tokens_out"][:, 1] == gpu["tokens_out"][:, 1]).all())  # greedy: exact
+
+@pytest.mark.parametrize("k,xc,prologue", [(1024, 0, "rmsnorm"), (3072, 0, "none"),
+                                           (8192, 2048, "rmsnorm")])
+def test_linear_row_does_not_depend_on_the_batch(k, xc, prologue):
+    """Row 0's outputs are bit-identical at batch 1, 8 and 16 (the same input chunks: xc), with
+    other rows beside it: the serving engine's one-row plan must round a request's row as its
+    16-row plan does (engine/scheduler.py), so a row's MMAs sum its units in the same order
+    at every batch (linear/sm90_walk.cuh Chains). Batch 9-16 takes the wide walk."""
+    n, tasks = 512, 16
+    g = gen(k)
+    row0 = randn((1, k), torch.bfloat16, g, 2.0)
+    weights = {"w": randn((n, k), torch.bfloat16, g, 1.0 / math.sqrt(k)),
+               "nw": (1.0 + 0.5 * torch.randn(k, generator=g)).to(torch.bfloat16)}
+    rows = {}
+    for batch in (1, 8, 16):
+        graph = Graph()
+        graph.add_tensor("x", (batch, k), BF16, Role.IO)
+        graph.add_tensor("w", (n, k), BF16, Role.WEIGHT)
+        graph.add_tensor("y", (batch, n), BF16, Role.ACTIVATION)
+        operands = {"x": "x", "weight": "w", "out": "y"}
+        if prologue == "rmsnorm":
+            graph.add_tensor("nw", (k,), BF16, Role.WEIGHT)
+            operands["norm_weight"] = "nw"
+        graph.add_op("linear", "lin", (tasks,), operands=operands, prologue=prologue, xc=xc)
+        x = torch.cat([row0, randn((batch - 1, k), torch.bfloat16, g, 2.0)])
+        inputs = {"x": x, **{name: w for name, w in weights.items() if name in operands.values()}}
+        got = run_on(compile_graph(graph, num_sms=16), "cuda", inputs, ["y"])["y"]
+        rows[batch] = got[0]
+    assert torch.equal(rows[1], rows[8]), (rows[1] - rows[8]).abs().max()
+    assert torch.equal(rows[1], rows[16]), (rows[1] - rows[16]).abs().max()

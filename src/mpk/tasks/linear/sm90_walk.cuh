@@ -9,6 +9,13 @@ namespace detail {
 struct Acc {
   float p[4], q[4];  // D of MMA 1 (weight words 0, 1) and MMA 2 (words 2, 3) of each unit
 };
+// A warp's accumulators: row g's (lo) and, wide, row g + 8's (hi), each on two chains (a page's
+// even and odd units). Every row sums its units in the same order at every batch, so a row's
+// outputs do not depend on the rows beside it (the serving engine's one-row plan must round as
+// its 16-row plan: engine/scheduler.py).
+struct Chains {
+  Acc lo[2], hi[2];
+};
 
 // Units of one page a warp takes (its units are kWarps apart).
 constexpr int kWarpUnitsPerPage = kPageUnits / kWarps;
@@ -45,20 +52,20 @@ __device__ __forceinline__ void load_page(PageFrags& f, uint32_t pg, int u, int 
 }
 
 // The MMAs of a loaded page, their A fragments read first (x, xh: the lane's fragment address of
-// the page's first unit in row g, g + 8). Batch <= 8: row g's MMAs on two accumulator chains
-// (alternate units). Wide: rows g (acc) and g + 8 (extra), the same MMAs for each: four MMAs a
-// unit where a permuted pair of rows took two, so the staged rows need no permute pass (perf-log,
-// twenty-seventh session: that pass was 1.1-1.6 us of a b16 input). kWhole: no per-unit
-// predicate (a predicated MMA is a convergence point: each waited for its own A read).
+// the page's first unit in row g, g + 8). Row g's MMAs on two accumulator chains (alternate
+// units); wide, row g + 8's the same on its own two: four MMAs a unit where a permuted pair of
+// rows took two, so the staged rows need no permute pass (perf-log, twenty-seventh session: that
+// pass was 1.1-1.6 us of a b16 input). kWhole: no per-unit predicate (a predicated MMA is a
+// convergence point: each waited for its own A read).
 template <bool kWhole, bool kWide>
 __device__ __forceinline__ void mma_units(const PageFrags& f, int n, unsigned x, unsigned xh,
-                                          unsigned xstep, Acc& acc, Acc& extra) {
+                                          unsigned xstep, Chains& c) {
   if constexpr (kWide) {  // two fragments a unit, read at their MMAs (ahead: too many registers)
 #pragma unroll
     for (int j = 0; j < kWarpUnitsPerPage; ++j)
       if (kWhole || j < n) {
-        mma_unit(acc, f.w[j], dev::lds_v4(x + j * xstep));
-        mma_unit(extra, f.w[j], dev::lds_v4(xh + j * xstep));
+        mma_unit(c.lo[j & 1], f.w[j], dev::lds_v4(x + j * xstep));
+        mma_unit(c.hi[j & 1], f.w[j], dev::lds_v4(xh + j * xstep));
       }
   } else {
     uint4 a[kWarpUnitsPerPage];
@@ -67,16 +74,16 @@ __device__ __forceinline__ void mma_units(const PageFrags& f, int n, unsigned x,
       if (kWhole || j < n) a[j] = dev::lds_v4(x + j * xstep);
 #pragma unroll
     for (int j = 0; j < kWarpUnitsPerPage; ++j)
-      if (kWhole || j < n) mma_unit((j & 1) ? extra : acc, f.w[j], a[j]);
+      if (kWhole || j < n) mma_unit(c.lo[j & 1], f.w[j], a[j]);
   }
 }
 template <bool kWide>
 __device__ __forceinline__ void mma_page(const PageFrags& f, int n, unsigned x, unsigned xh,
-                                         unsigned xstep, Acc& acc, Acc& extra) {
+                                         unsigned xstep, Chains& c) {
   if (n == kWarpUnitsPerPage)
-    mma_units<true, kWide>(f, n, x, xh, xstep, acc, extra);
+    mma_units<true, kWide>(f, n, x, xh, xstep, c);
   else
-    mma_units<false, kWide>(f, n, x, xh, xstep, acc, extra);
+    mma_units<false, kWide>(f, n, x, xh, xstep, c);
 }
 
 // Units of this warp on the page of unit u, below end (a page holds a whole round of units).
@@ -102,18 +109,17 @@ struct WalkPos {
 template <bool kWide>
 __device__ __forceinline__ bool walk_step(mpk::PageCursor& pc, PageFrags& cur, PageFrags& nxt,
                                           WalkPos& pos, int end,
-                                          unsigned x, unsigned xh, unsigned xstep, Acc& acc,
-                                          Acc& extra) {
+                                          unsigned x, unsigned xh, unsigned xstep, Chains& c) {
   const int u = pos.u + pos.n * kWarps;
   if (u >= end) {
-    mma_page<kWide>(cur, pos.n, x + pos.xo, xh + pos.xo, xstep, acc, extra);
+    mma_page<kWide>(cur, pos.n, x + pos.xo, xh + pos.xo, xstep, c);
     return false;
   }
   const uint32_t pg = pc.peek(pc.next_landed()) + (threadIdx.x & 31) * 16;
   const unsigned xo = pos.xo + pos.n * xstep;
   const int n = units_on_page(u, end);
   load_page(nxt, pg, u, n);
-  mma_page<kWide>(cur, pos.n, x + pos.xo, xh + pos.xo, xstep, acc, extra);
+  mma_page<kWide>(cur, pos.n, x + pos.xo, xh + pos.xo, xstep, c);
   pc.step();  // cur's fragments are in registers, consumed: release it; nxt's page landed
   pos = WalkPos{u, xo, n};
   return true;
@@ -121,7 +127,7 @@ __device__ __forceinline__ bool walk_step(mpk::PageCursor& pc, PageFrags& cur, P
 
 // Accumulate this warp's units of a block (task-local units [u0, u0 + nb*nk)) into the lane's
 // outputs r[j] (batch_of(j), row_of(j); zero where the layout leaves none). Page by page, a page
-// ahead (walk_step), on two accumulator chains. (One accumulator and a wait, loads and an index
+// ahead (walk_step), on two accumulator chains a row (Chains). (One accumulator and a wait, loads and an index
 // division per unit made every unit a ~300-cycle dependent chain: scripts/probe_phases.py.)
 template <bool kWide>
 __device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::PageCursor& pc,
@@ -139,9 +145,11 @@ __device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::
   const int row = kWide ? g : min(g, t.B - 1);
   const unsigned x = dev::smem_addr(s.xs + row * s.XS) + tq * (kGroupBytes / 4) + kg0;
   const unsigned xh = x + (unsigned)(kRows * s.XS * 2);  // wide: row g + 8
-  Acc acc, extra;  // two chains (wide: rows g and g + 8)
+  Chains c;
 #pragma unroll
-  for (int e = 0; e < 4; ++e) acc.p[e] = acc.q[e] = extra.p[e] = extra.q[e] = 0.f;
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c.lo[h].p[e] = c.lo[h].q[e] = c.hi[h].p[e] = c.hi[h].q[e] = 0.f;
   if (first < end) {
     // The block's first page may be the one the previous block ended in; after it, a warp's
     // next unit is always on the next page.
@@ -150,15 +158,14 @@ __device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::
     PageFrags cur, nxt;
     load_page(cur, pg, pos.u, pos.n);
 #pragma unroll 1
-    while (walk_step<kWide>(pc, cur, nxt, pos, end, x, xh, xstep, acc, extra)) cur = nxt;
+    while (walk_step<kWide>(pc, cur, nxt, pos, end, x, xh, xstep, c)) cur = nxt;
   }
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    // Row g's output n is D1[g][n] + D2[g + 8][n] (header); wide, row g + 8's is the same of
-    // extra's MMAs.
-    r[j] = kWide ? (j < 2 ? acc.p[j] + acc.q[j + 2] : extra.p[j - 2] + extra.q[j])
-           : j < 2 ? (acc.p[j] + extra.p[j]) + (acc.q[j + 2] + extra.q[j + 2])
-                   : 0.f;
+  for (int j = 0; j < 2; ++j) {
+    // Row g's output n is D1[g][n] + D2[g + 8][n] (header), each the sum of its two chains;
+    // wide, row g + 8's is the same of its own MMAs (hi). The same order at every batch.
+    r[j] = (c.lo[0].p[j] + c.lo[1].p[j]) + (c.lo[0].q[j + 2] + c.lo[1].q[j + 2]);
+    r[j + 2] = kWide ? (c.hi[0].p[j] + c.hi[1].p[j]) + (c.hi[0].q[j + 2] + c.hi[1].q[j + 2]) : 0.f;
   }
 }
 
