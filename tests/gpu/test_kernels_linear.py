@@ -129,13 +129,16 @@ def test_linear_argmax_samples_like_the_interpreter():
     assert bool((same >= 0.97).all()), (same, cpu["tokens_out"][:8], gpu["tokens_out"][:8])
     assert bool((cpu["tokens_out"][:, 1] == gpu["tokens_out"][:, 1]).all())  # greedy: exact
 
+@pytest.mark.parametrize("out_dtype", [BF16, F32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("k,xc,prologue", [(1024, 0, "rmsnorm"), (3072, 0, "none"),
                                            (8192, 2048, "rmsnorm")])
-def test_linear_row_does_not_depend_on_the_batch(k, xc, prologue):
+def test_linear_row_does_not_depend_on_the_batch(k, xc, prologue, out_dtype):
     """Row 0's outputs are bit-identical at batch 1, 8 and 16 (the same input chunks: xc), with
     other rows beside it: the serving engine's one-row plan must round a request's row as its
     16-row plan does (engine/scheduler.py), so a row's MMAs sum its units in the same order
-    at every batch (linear/sm90_walk.cuh Chains). Batch 9-16 takes the wide walk."""
+    at every batch (linear/sm90_walk.cuh Chains). Batch 9-16 takes the wide walk. fp32 outputs
+    show any change in the order of the sums; bf16 outputs hide most of them (one chain a wide
+    row failed only the chunked bf16 case: perf-log, twenty-eighth session)."""
     n, tasks = 512, 16
     g = gen(k)
     row0 = randn((1, k), torch.bfloat16, g, 2.0)
@@ -146,7 +149,7 @@ def test_linear_row_does_not_depend_on_the_batch(k, xc, prologue):
         graph = Graph()
         graph.add_tensor("x", (batch, k), BF16, Role.IO)
         graph.add_tensor("w", (n, k), BF16, Role.WEIGHT)
-        graph.add_tensor("y", (batch, n), BF16, Role.ACTIVATION)
+        graph.add_tensor("y", (batch, n), out_dtype, Role.ACTIVATION)
         operands = {"x": "x", "weight": "w", "out": "y"}
         if prologue == "rmsnorm":
             graph.add_tensor("nw", (k,), BF16, Role.WEIGHT)
