@@ -92,9 +92,11 @@ def test_real_task_kernels_compile_clean(cache_root: Path) -> None:
     allocates this build differently: 240 B stored, 448 B reloaded, mostly attention's and the
     runtime's set-up, once per task, but also 4 reloads in attention's tail branch of the KV loop
     (this build only: no model's plan has all these kinds). The plans models compile stay at
-    zero at batch 1-8; at batch 16 a few bytes of set-up spill (the MoE one below) (test_qwen3_0_6b_megakernel_compiles_clean, the tensor-parallel one, the MoE ones;
-    qwen3-8b, llama-3.2-1b and smollm2-135m were checked by hand). The prefill plan's own kinds
-    build in the next test, as the prefill plans combine them."""
+    zero at batch 1-8 (test_qwen3_0_6b_megakernel_compiles_clean, the tensor-parallel one, the
+    MoE ones; qwen3-8b, llama-3.2-1b and smollm2-135m were checked by hand); at batch 16 a few
+    bytes spill in the consumers' loop (the MoE one below; qwen3-0.6b and qwen3-8b b16 12 B
+    stored / 12 reloaded since the twenty-eighth session's two chains a wide row). The prefill
+    plan's own kinds build in the next test, as the prefill plans combine them."""
     kinds = [k for k in all_kinds() if k not in PREFILL_KINDS]
     missing = codegen.missing_kernels(kinds)
     present = [k for k in kinds if k not in missing]
