@@ -72,8 +72,8 @@ PATCHES["pagewait1"] = {
 # The page protocol without the units. Timing only.
 PATCHES["no_units"] = {"linear/sm90_walk.cuh": [
     (UNIT_W, "    ;\n"), (UNIT_X, "      ;\n"), (UNIT_MMA, "      ;\n"),
-    ("        mma_unit(acc, f.w[j], dev::lds_v4(x + j * xstep));\n"
-     "        mma_unit(extra, f.w[j], dev::lds_v4(xh + j * xstep));\n", "        ;\n")]}
+    ("        mma_unit(c.lo[j & 1], f.w[j], dev::lds_v4(x + j * xstep));\n"
+     "        mma_unit(c.hi[j & 1], f.w[j], dev::lds_v4(xh + j * xstep));\n", "        ;\n")]}
 # WAIT := when the loader issued the record's last page copy (the consumers' own WAIT stamp is
 # dropped): RUN - WAIT is how far ahead of the task the loader was.
 RECORD_END = "        src += sizes[r];\n      }\n    }\n"

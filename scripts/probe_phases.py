@@ -66,7 +66,7 @@ CHUNK_END = "    if (ch + 1 < t.nch) mpk::task_sync();\n"
 FINISH = "  pc.finish();\n  if (t.argmax)"
 # The walk's units at batch <= 8 (mma_units, narrow): A reads, MMAs; and a page's weight reads.
 UNIT_X = "      if (kWhole || j < n) a[j] = dev::lds_v4(x + j * xstep);\n"
-UNIT_MMA = "      if (kWhole || j < n) mma_unit((j & 1) ? extra : acc, f.w[j], a[j]);\n"
+UNIT_MMA = "      if (kWhole || j < n) mma_unit(c.lo[j & 1], f.w[j], a[j]);\n"
 UNIT_W = "    if (kWhole || j < n) f.w[j] = dev::lds_v4(wu + j * kWarps * kUnitBytes);\n"
 FIRST_WAIT = "    if (!ptx::mbar_try_wait(bar, parity)) {\n"
 PAGE_WAIT = """    if (!ptx::mbar_try_wait(bar, parity)) {
@@ -130,7 +130,7 @@ PATCHES: dict[str, Patch] = {
     # (batch <= 8: the narrow walk)
     "no_mma": {"linear/sm90_walk.cuh": [  # neither the MMAs nor the x loads; weights still read
         (UNIT_X, "      ;\n"),
-        (UNIT_MMA, "      if (kWhole || j < n) ((j & 1) ? extra : acc).p[0] += "
+        (UNIT_MMA, "      if (kWhole || j < n) c.lo[j & 1].p[0] += "
                    "__uint_as_float(f.w[j].x ^ f.w[j].y ^ f.w[j].z ^ f.w[j].w);\n")]},
     "no_wload": {"linear/sm90_walk.cuh": [  # no weight loads; MMAs on a made-up fragment
         (UNIT_W, "    if (kWhole || j < n) f.w[j] = make_uint4(u + j, pg, (u + j) ^ 7, pg ^ 5);\n")]},
