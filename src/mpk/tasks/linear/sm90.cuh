@@ -188,7 +188,8 @@ __device__ __forceinline__ void store_out(const Task& t, int b, int n, float y0,
 // trip runs under the walk (a conversion right after each load made the warp wait for it:
 // perf-log, thirteenth session). Plain: each element's bits (f32, or bf16 zero-extended);
 // flagged: the word's pair and its epoch.
-__device__ __forceinline__ void load_resid(const Task& t, int b, int n, unsigned& w0, unsigned& w1) {
+__device__ __forceinline__ void load_resid(const Task& t, int b, int n, unsigned& w0,
+                                           unsigned& w1) {
   const long long off = (long long)b * t.N + n;
   if (t.res_ep) {
     const dev::flag_word w = dev::ld_flag(static_cast<const dev::flag_word*>(t.resid) + off / 2);
@@ -219,11 +220,15 @@ __device__ __forceinline__ void resid_values(const Task& t, int b, int n, unsign
 }
 
 // Output column of stream row r (task-local) for the plain epilogue.
-__device__ __forceinline__ int out_col(const Task& t, int rg, int g) { return t.n0 + rg * kRows + g; }
+__device__ __forceinline__ int out_col(const Task& t, int rg, int g) {
+  return t.n0 + rg * kRows + g;
+}
 
 // ---- input staging ---------------------------------------------------------------------------
 // Where the 8 k of vector v of input row b land (natural order).
-__device__ __forceinline__ bf16* landing(const Scratch& s, int b, int v) { return s.xs + b * s.XS + v * 8; }
+__device__ __forceinline__ bf16* landing(const Scratch& s, int b, int v) {
+  return s.xs + b * s.XS + v * 8;
+}
 
 // Copy (or zero) vector v of input row b: k < kc of real rows, zeros elsewhere.
 __device__ __forceinline__ void stage_vec(const Task& t, const Scratch& s, int b, int v, int k0,
@@ -276,8 +281,8 @@ __device__ __forceinline__ void stage_raw(const Task& t, const Scratch& s, int k
 
 // Sum of squares of the landed (natural-order) rows' first kc elements into red[b][warp] (+= when
 // `add`). Every row at once: a thread's vectors of all rows first, then one warp reduction of all
-// rows (dev::rows_sum16). (Splitting the rows between the CTA's halves at batch 9-16 cost the all-kinds
-// build 28 B more spills: tests/cuda/test_nvcc_build.py.)
+// rows (dev::rows_sum16). (Splitting the rows between the CTA's halves at batch 9-16 cost the
+// all-kinds build 28 B more spills: tests/cuda/test_nvcc_build.py.)
 __device__ __forceinline__ void sum_squares(const Task& t, const Scratch& s, int kc, bool add) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int vpr = kc / 8;
@@ -388,7 +393,8 @@ __device__ __forceinline__ void merge_best(const Task& t, const Scratch& s,
 // A block of 8 row groups: this warp owns row group `rg` (task-local); write or accumulate.
 // A lane's outputs j are (batch g + 8h, stream row 2t + e) for j = 2h + e: two pairs.
 __device__ __forceinline__ void finish_own(const Task& t, const Scratch& s, int rg,
-                                           const float (&r)[4], const unsigned (&resid)[4], int ch) {
+                                           const float (&r)[4], const unsigned (&resid)[4],
+                                           int ch) {
   const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   float v[4] = {r[0], r[1], r[2], r[3]};
   if (t.nch > 1) {  // this warp alone owns these accumulator rows
@@ -410,7 +416,8 @@ __device__ __forceinline__ void finish_own(const Task& t, const Scratch& s, int 
     for (int h = 0; h < 2; ++h) {
       const int b = g + 8 * h, n = t.n0 + rg * 4 + 2 * tq;
       if (tq < 2 && b < t.B && n < t.n1)
-        store_out(t, b, n, silu_value(v[2 * h], up[2 * h]), silu_value(v[2 * h + 1], up[2 * h + 1]));
+        store_out(t, b, n, silu_value(v[2 * h], up[2 * h]),
+                  silu_value(v[2 * h + 1], up[2 * h + 1]));
     }
     return;
   }
@@ -438,7 +445,8 @@ __device__ __forceinline__ void finish_own(const Task& t, const Scratch& s, int 
 __device__ __forceinline__ int shared_pairs(const Task& t, int nb) {
   return nb * (t.silu ? 2 : kRows / 2) * t.B;
 }
-static_assert(4 * (kRows / 2) * kMaxB <= NUM_THREADS, "a shared block (nb <= 4) has a pair a thread");
+static_assert(4 * (kRows / 2) * kMaxB <= NUM_THREADS,
+              "a shared block (nb <= 4) has a pair a thread");
 
 __device__ __forceinline__ void shared_pair(const Task& t, int idx, int& row, int& b) {
   b = idx % t.B, row = 2 * (idx / t.B);  // row-group-local row (even) and batch of a pair

@@ -127,8 +127,9 @@ __device__ __forceinline__ bool walk_step(mpk::PageCursor& pc, PageFrags& cur, P
 
 // Accumulate this warp's units of a block (task-local units [u0, u0 + nb*nk)) into the lane's
 // outputs r[j] (batch_of(j), row_of(j); zero where the layout leaves none). Page by page, a page
-// ahead (walk_step), on two accumulator chains a row (Chains). (One accumulator and a wait, loads and an index
-// division per unit made every unit a ~300-cycle dependent chain: scripts/probe_phases.py.)
+// ahead (walk_step), on two accumulator chains a row (Chains). (One accumulator and a wait,
+// loads and an index division per unit made every unit a ~300-cycle dependent chain:
+// scripts/probe_phases.py.)
 template <bool kWide>
 __device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::PageCursor& pc,
                                           int pbase, int u0, int nb, int nk, float (&r)[4]) {
