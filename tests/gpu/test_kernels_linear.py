@@ -17,24 +17,33 @@ from tests.gpu.kernel_helpers import (BF16, F32, I32, Role, assert_close, gen, r
 pytestmark = [pytest.mark.gpu, pytest.mark.nvcc]
 
 
+def linear_graph(batch: int, n: int, k: int, wshape: tuple[int, ...], prologue: str,
+                 out_dtype) -> tuple[Graph, dict[str, str]]:
+    """x [batch, k] -> y [batch, n] through weight w (and norm weight nw with an rmsnorm
+    prologue): the graph's tensors and the linear op's operands."""
+    graph = Graph()
+    graph.add_tensor("x", (batch, k), BF16, Role.IO)
+    graph.add_tensor("w", wshape, BF16, Role.WEIGHT)
+    graph.add_tensor("y", (batch, n), out_dtype, Role.ACTIVATION)
+    operands = {"x": "x", "weight": "w", "out": "y"}
+    if prologue == "rmsnorm":
+        graph.add_tensor("nw", (k,), BF16, Role.WEIGHT)
+        operands["norm_weight"] = "nw"
+    return graph, operands
+
+
 def linear_case(n: int, k: int, tasks: int, batch: int, prologue: str = "none",
                 epilogue: str = "none", residual: bool = False, out_dtype=BF16,
                 seed: int = 0, num_sms: int = 16) -> None:
     g = gen(seed)
     silu = epilogue == "silu_mul"
     wshape = (2, n, k) if silu else (n, k)
-    graph = Graph()
-    graph.add_tensor("x", (batch, k), BF16, Role.IO)
-    graph.add_tensor("w", wshape, BF16, Role.WEIGHT)
-    graph.add_tensor("y", (batch, n), out_dtype, Role.ACTIVATION)
+    graph, operands = linear_graph(batch, n, k, wshape, prologue, out_dtype)
     inputs = {"x": randn((batch, k), torch.bfloat16, g, 2.0),
               "w": randn(wshape, torch.bfloat16, g, 1.0 / math.sqrt(k))}
-    operands = {"x": "x", "weight": "w", "out": "y"}
     outputs = ["y"]
     if prologue == "rmsnorm":
-        graph.add_tensor("nw", (k,), BF16, Role.WEIGHT)
         inputs["nw"] = (1.0 + 0.5 * torch.randn(k, generator=g)).to(torch.bfloat16)
-        operands["norm_weight"] = "nw"
     if residual:
         graph.add_tensor("r", (batch, n), out_dtype, Role.IO)
         inputs["r"] = randn((batch, n), out_dtype.torch, g, 3.0)
@@ -147,14 +156,7 @@ def test_linear_row_does_not_depend_on_the_batch(k, xc, prologue, out_dtype):
                "nw": (1.0 + 0.5 * torch.randn(k, generator=g)).to(torch.bfloat16)}
     rows = {}
     for batch in (1, 8, 16):
-        graph = Graph()
-        graph.add_tensor("x", (batch, k), BF16, Role.IO)
-        graph.add_tensor("w", (n, k), BF16, Role.WEIGHT)
-        graph.add_tensor("y", (batch, n), out_dtype, Role.ACTIVATION)
-        operands = {"x": "x", "weight": "w", "out": "y"}
-        if prologue == "rmsnorm":
-            graph.add_tensor("nw", (k,), BF16, Role.WEIGHT)
-            operands["norm_weight"] = "nw"
+        graph, operands = linear_graph(batch, n, k, (n, k), prologue, out_dtype)
         graph.add_op("linear", "lin", (tasks,), operands=operands, prologue=prologue, xc=xc)
         x = randn((batch, k), torch.bfloat16, g, 2.0)
         same = [r for r in (0, 3, 8, 15) if r < batch]  # rows holding the same input
