@@ -20,6 +20,8 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
   lin_e_done, lin_e_finished  a linear's COMPUTE mark once finish_shared (or pc.finish()) is done,
   lin_i_entry, lin_i_issued, lin_i_landed, lin_i_summed  a linear's INPUT mark at the chunk loop's
              start, after thread 0 issued its x copies, once all landed, or the norm's sums done,
+  lin_s_top, lin_s_taskof, lin_s_init, lin_s_page0  a linear's INPUT mark in its set-up: run()'s
+             entry, after task_of, after the scratch's slots are set, after the norm page's wait,
   no_units   the page protocol without the units (timing only),
   no_xread   ablation (wrong outputs, timing only): the linear staging stores zeros where its
              cp.async copies of x would land (no global read of the input),
@@ -364,6 +366,16 @@ PATCHES["lin_i_landed"] = {"linear/sm90.cuh": [*PA_EDITS, (WAITED, WAITED.replac
     "  }\n", PM_SYNC_MARK + "  }\n"))]}
 SUMMED = "    sum_squares(t, s, kc, false);\n    mpk::task_sync();  // red complete\n"
 PATCHES["lin_i_summed"] = {"linear/sm90.cuh": [*PA_EDITS, (SUMMED, SUMMED + PM_MARK)]}
+# Where a linear's set-up goes (timing; same results): INPUT := thread 0 at run()'s entry (the
+# dispatch reached it), after task_of (the PageCursor copy), after the scratch's slots are set
+# (before the norm page), after the norm page's wait; lin_i_entry is the chunk loop's start.
+SETUP_MARKS = {"lin_s_top": "  const Task t = task_of(a);\n",
+               "lin_s_taskof": "  mpk::PageCursor pc = a.pages;\n",
+               "lin_s_init": "  const bf16* nw = nullptr;\n",
+               "lin_s_page0": "  const int pbase = t.rms ? 1 : 0;\n"}
+for _name, _at in SETUP_MARKS.items():
+    PATCHES[_name] = {"linear/sm90.cuh": [(MARK0, "    stage_chunk(t, s, nw, ch);\n"),
+                                          (_at, "  a.mark(0);\n" + _at)]}
 RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "attn_nokv", "attn_l2pf": "attn_l2pf", "attn_m_scores": "attn_m_scores", "attn_m_block": "attn_m_block", "attn_m_loop": "attn_m_loop", "lin_m_allwalked": "lin_m_allwalked", "lin_e_done": "lin_e_done", "lin_e_finished": "lin_e_finished", "attn_m_polled": "attn_m_polled", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
         "sparse_timer": "sparse_timer",
         "no_loader_no_units": "no_loader_no_units",
@@ -374,7 +386,8 @@ RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "
         "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "no_aload_walk_cycles": "no_aload_walk_cycles", "no_wload_walk_cycles": "no_wload_walk_cycles", "epi_cycles": "epi_cycles", "moe_inflight2x": "moe_inflight2x",
         "moe_gu_pf": "moe_gu_pf", "moe_down_pf": "moe_down_pf", "moe_pf": "moe_pf",
         "no_loader_moe_pf": "no_loader_moe_pf",
-        **{n: n for n in ("lin_i_entry", "lin_i_issued", "lin_i_landed", "lin_i_summed")}}
+        **{n: n for n in ("lin_i_entry", "lin_i_issued", "lin_i_landed", "lin_i_summed")},
+        **{n: n for n in SETUP_MARKS}}
 
 
 @contextmanager
