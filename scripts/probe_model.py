@@ -277,8 +277,8 @@ FS_SYNC = ("  const int rgl = row >> rg_shift, r = row & ((1 << rg_shift) - 1), 
            "  mpk::task_sync();\n")
 FS_SUMS = "    if (t.silu) up[e] = reduce_part(s, buf, u0, nb, rgl, r + 4 + e, b);\n  }\n"
 FS_CALL = "          finish_shared(t, s, rg0, u0, nb, r, buf, resid, ch);\n"
-LINEAR_TASK = "  const Task t = task_of(a);\n"  # run()'s first line: a task without a shared block
-                                                # leaves its stamp's first 48 bits 0
+LINEAR_TASK = "  const Task t = task_at_run(a);\n"  # run()'s first line: a task without a shared
+                                                   # block leaves its stamp's first 48 bits 0
 PATCHES["epi_cycles"] = {
     "task_args.cuh": [("namespace mpk {\n", "namespace mpk {\n" + EPI_SHARED)],
     "linear/sm90.cuh": [
@@ -369,7 +369,7 @@ PATCHES["lin_i_summed"] = {"linear/sm90.cuh": [*PA_EDITS, (SUMMED, SUMMED + PM_M
 # Where a linear's set-up goes (timing; same results): INPUT := thread 0 at run()'s entry (the
 # dispatch reached it), after task_of (the PageCursor copy), after the scratch's slots are set
 # (before the norm page), after the norm page's wait; lin_i_entry is the chunk loop's start.
-SETUP_MARKS = {"lin_s_top": "  const Task t = task_of(a);\n",
+SETUP_MARKS = {"lin_s_top": "  const Task t = task_at_run(a);\n",
                "lin_s_taskof": "  mpk::PageCursor pc = a.pages;\n",
                "lin_s_init": "  const bf16* nw = nullptr;\n",
                "lin_s_page0": "  const int pbase = t.rms ? 1 : 0;\n"}

@@ -100,10 +100,15 @@ struct Task {
   uint32_t x_ep, res_ep, out_ep;  // epochs of the flagged operands (common/flags.cuh; 0: plain)
 };
 
-// Shared scratch: [xs: B (wide: 16) rows of XS bf16][part: 2 x kWarps x kPartWarp f32]
-// [red: 16 x kWarps f32]
-// [best: 16 u64][sampling: 16 x (seed u64, position i64, temperature f32)]
-// [nw: K bf16 when chunked with rmsnorm][acc: rgs x 8 x B f32]
+// Shared scratch: a 1 KB head at fixed offsets [red: 16 x kWarps f32][best: 16 u64]
+// [sampling: 16 x (seed u64, position i64, temperature f32)], then [xs: B (wide: 16) rows of XS
+// bf16][part: 2 x kWarps x kPartWarp f32][nw: K bf16 when chunked with rmsnorm]
+// [acc: rgs x 8 x B f32]. Plans with a wide linear pass the prologue's Task to run() in red's
+// bytes (kPre): run() copies it to registers before its first barrier, red is first written
+// after it.
+constexpr int kHeadBytes = 1024;
+constexpr bool kPre = LINEAR_MAX_BATCH > kRows;
+static_assert(sizeof(Task) <= sizeof(float) * kWarps * kMaxB, "red's bytes hold the Task");
 struct Scratch {
   bf16* xs;
   float* part;
@@ -128,10 +133,6 @@ __device__ __forceinline__ Scratch carve(const Task& t, char* smem) {
   // Row stride 64 mod 128 bytes (header: conflict-free A reads).
   s.XS = (t.xc + 2 * kXPad - 1) / (2 * kXPad) * (2 * kXPad) + kXPad;
   char* p = smem;
-  s.xs = reinterpret_cast<bf16*>(p);
-  p += ((staged_rows(t) * s.XS * 2 + 15) / 16) * 16;
-  s.part = reinterpret_cast<float*>(p);
-  p += 2 * kWarps * kPartWarp * 4;
   s.red = reinterpret_cast<float*>(p);
   p += kWarps * kMaxB * 4;
   s.best = reinterpret_cast<unsigned long long*>(p);
@@ -141,7 +142,11 @@ __device__ __forceinline__ Scratch carve(const Task& t, char* smem) {
   s.spos = reinterpret_cast<long long*>(p);
   p += kMaxB * 8;
   s.temp = reinterpret_cast<float*>(p);
-  p += kMaxB * 4;
+  p = smem + kHeadBytes;
+  s.xs = reinterpret_cast<bf16*>(p);
+  p += ((staged_rows(t) * s.XS * 2 + 15) / 16) * 16;
+  s.part = reinterpret_cast<float*>(p);
+  p += 2 * kWarps * kPartWarp * 4;
   s.nw = reinterpret_cast<bf16*>(p);
   if (t.rms && t.nch > 1) p += ((t.K * 2 + 15) / 16) * 16;
   s.acc = reinterpret_cast<float*>(p);
@@ -604,11 +609,50 @@ __device__ __forceinline__ void write_argmax(const Task& t, const Scratch& s) {
   }
 }
 
+// The rows' argmax keys and sampling words into the scratch's head.
+__device__ __forceinline__ void init_rows(const Task& t, const Scratch& s) {
+  const int tid = threadIdx.x;
+  if (tid >= kMaxB) return;
+  s.best[tid] = 0ull;
+  s.temp[tid] = 0.f;  // greedy unless the row's sampling words say otherwise
+  if (t.sampling && tid < t.B) {  // host-written IO: L2-coherent loads
+    const int* words = t.samp + tid * SAMPLING_WORDS;
+    s.temp[tid] = __int_as_float(dev::ld_act_i32(words + SAMPLING_TEMPERATURE));
+    s.seed[tid] = dev::sampling_seed(words);
+    s.spos[tid] = dev::row_position(dev::ld_act_i32(t.pos + tid),
+                                    t.runs ? t.runs + tid * RUN_WORDS : nullptr, t.step);
+  }
+}
+
+// The task as run() starts it: worked out here, or (kPre) read back from the prologue's copy.
+__device__ __forceinline__ Task task_at_run(const mpk::TaskArgs& a) {
+  if constexpr (kPre) return *reinterpret_cast<const Task*>(a.smem);
+  const Task t = task_of(a);
+  if (t.rgs > 0) init_rows(t, carve(t, a.smem));
+  return t;
+}
+
 }  // namespace detail
+
+// Before the waits, in plans with a wide linear (kPre; task.py prologue_operands: sampling,
+// positions, runs, host-written IO): the task's parameters (task_of) go to the scratch's head
+// and the rows' argmax and sampling slots are set, so run() starts at its input once the waits
+// are met. At batch 16 this takes 0.7-1.1% off qwen3-0.6b's step (perf-log, twenty-ninth
+// session); at batch 1 and 8 the same prologue cost 1.6% and 3.1% (its barrier and the Task's
+// round trip on the path: twenty-eighth session), so narrower plans work the task out in run().
+MPK_TASK_ENTRY void prologue(const mpk::TaskArgs& a) {
+  using namespace detail;
+  if constexpr (kPre) {
+    const Task t = task_of(a);
+    if (threadIdx.x == 0) *reinterpret_cast<Task*>(a.smem) = t;
+    if (t.rgs > 0) init_rows(t, carve(t, a.smem));
+    mpk::task_sync();
+  }
+}
 
 MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   using namespace detail;
-  const Task t = task_of(a);
+  const Task t = task_at_run(a);
   mpk::PageCursor pc = a.pages;
   if (t.rgs <= 0) {  // uniform; the (norm) page is still visited
     pc.finish();
@@ -616,17 +660,6 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   }
   const Scratch s = carve(t, a.smem);
   const int tid = threadIdx.x, warp = tid >> 5;
-  if (tid < kMaxB) {
-    s.best[tid] = 0ull;
-    s.temp[tid] = 0.f;  // greedy unless the row's sampling words say otherwise
-    if (t.sampling && tid < t.B) {  // host-written IO: L2-coherent loads
-      const int* words = t.samp + tid * SAMPLING_WORDS;
-      s.temp[tid] = __int_as_float(dev::ld_act_i32(words + SAMPLING_TEMPERATURE));
-      s.seed[tid] = dev::sampling_seed(words);
-      s.spos[tid] = dev::row_position(dev::ld_act_i32(t.pos + tid),
-                                      t.runs ? t.runs + tid * RUN_WORDS : nullptr, t.step);
-    }
-  }
   const bf16* nw = nullptr;
   if (t.rms) {  // page 0: the norm weight
     nw = static_cast<const bf16*>(__cvta_shared_to_generic(pc.at(0)));

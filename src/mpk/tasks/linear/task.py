@@ -117,6 +117,9 @@ class Linear(TaskKind):
     # A prefill plan's lm_head beside gemm: inlined there, ptxas spilled ~700 B in the
     # consumers' loop (twenty-fifth session); out of line, none in gemm's k loop.
     outlined_beside_wgmma = True
+    # In plans with a wide linear the CUDA prologue works out the task's parameters and the rows'
+    # sampling words before the waits (sm90.cuh prologue).
+    prologue_operands = ("sampling", "positions", "runs")
     # The kernel builds its walk for 9-16 rows (two staged rows an MMA fragment: more registers)
     # only where an op of the plan has more than 8 (geo.ROWS) rows: in a plan of 8 rows or fewer
     # its registers crowded ptxas' allocation of the whole kernel (cold spills in attention).
