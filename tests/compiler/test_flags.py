@@ -129,7 +129,8 @@ def test_tensor_parallel_ranks_keep_the_residual_plain() -> None:
 
 
 @pytest.mark.parametrize(("batch", "expected"), [(1, {"hidden", "act", "qkv"}),
-                                                 (4, {"hidden"}), (8, set())])
+                                                 (2, {"hidden", "act", "qkv", "attn"}),
+                                                 (8, {"hidden"}), (16, set())])
 def test_tensors_over_the_byte_limit_stay_plain(batch: int, expected: set[str]) -> None:
     _, plan = _plan("qwen3-0.6b", batch=batch)  # hidden: B x 1024 bf16, act: B x 3072, qkv B x 4096
     flagged = {t.name.split(".")[-1] for t in plan.tensors if t.flagged}

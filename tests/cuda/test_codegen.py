@@ -117,12 +117,14 @@ def flagged_constant(source: str, kind: str) -> bool:
 
 
 @pytest.mark.parametrize(("preset", "batch", "expected"), [
-    ("tiny-qwen3", 1, {"attention", "embedding", "linear"}), ("qwen3-0.6b", 8, set())])
+    ("tiny-qwen3", 1, {"attention", "embedding", "linear"}),
+    ("qwen3-0.6b", 8, {"embedding", "linear"}), ("qwen3-0.6b", 16, set())])
 def test_flagged_follows_the_plans_flagged_tensors(preset: str, batch: int,
                                                    expected: set[str]) -> None:
     # Without a plan every kind keeps its flagged paths; a plan folds them away in the kinds
     # none of whose ops touches a flagged tensor (common/flags.cuh flag_epoch): qwen3-0.6b's
-    # activations at batch 8 are all above the flag size limit.
+    # activations at batch 16 are all above the flag size limit (at batch 8 only the hidden
+    # stream is under it).
     assert flagged_constant(codegen.render_kinds(["linear"]), "linear")
     plan = compile_graph(build_graph(get_preset(preset), DecodeShape(batch=batch)), 132)
     flagged = {op.kind for op in plan.ops for _, tid in op.operands if plan.tensors[tid].flagged}
@@ -131,6 +133,16 @@ def test_flagged_follows_the_plans_flagged_tensors(preset: str, batch: int,
     src = codegen.render(plan)
     for name in plan.kinds:
         assert flagged_constant(src, name) is (name in flagged)
+
+
+@pytest.mark.parametrize(("batch", "vectors"), [(1, 2), (8, 4)])
+def test_linear_polls_as_many_vectors_a_thread_as_its_largest_flagged_input(batch: int,
+                                                                            vectors: int) -> None:
+    # qwen3-0.6b b1: act (3072 bf16, 384 vectors) is the largest flagged x: two a thread in
+    # flight; b8: hidden (8 x 1024, 1024 vectors) four.
+    plan = compile_graph(build_graph(get_preset("qwen3-0.6b"), DecodeShape(batch=batch)), 132)
+    assert dict(plan.constants)["LINEAR_POLL_VECS"] == vectors
+    assert cuda_constants(codegen.render(plan))["LINEAR_POLL_VECS"] == vectors
 
 
 def test_plan_constants_raise_kind_defaults() -> None:

@@ -115,17 +115,19 @@ def test_prefill_plan_kinds_compile_clean(cache_root: Path) -> None:
     of line as before. Twenty-fifth session: ptxas keeps 456 B stored / 668 B reloaded of the
     kernel body in local memory, in gemm's tile loops (the 256-wide tile's 128 accumulators a
     thread), 15 loads and stores a 64-k tile of the wide tile (issued while its MMAs run), one of
-    the narrow one; 4-8 B in each out-of-line task but the linear's, 24 B stored / 28 reloaded
+    the narrow one; 4-8 B in each out-of-line task but the linear's: 24 B stored / 28 reloaded
     since its wide walk keeps two accumulator chains a row for rows g and g + 8 (twenty-eighth
-    session: a row must sum its units in the same order at every batch). Every model's prefill
-    plan has exactly these kinds."""
+    session: a row must sum its units in the same order at every batch), 48 / 64 with its
+    prologue in wide plans, 64 / 80 since a flagged input is polled four vectors a thread in
+    flight (twenty-ninth session; this build keeps every kind's flagged paths, a prefill plan's
+    own build folds them away). Every model's prefill plan has exactly these kinds."""
     graph = build_prefill_graph(get_preset("tiny-qwen3"), PrefillShape(chunk=64), num_sms=4)
     kinds = sorted({op.kind for op in graph.ops})
     assert set(PREFILL_KINDS) <= set(kinds)
     result = build.compile_source(codegen.render_kinds(kinds), arch="sm_90a",
                                   cache_root=cache_root)
     assert "C7510" not in result.log, "ptxas serialized wgmma (a pipeline crosses a call)"
-    assert_clean(result, cold_spill_bytes=500, cold_reload_bytes=720)
+    assert_clean(result, cold_spill_bytes=520, cold_reload_bytes=740)
 
 
 def test_broken_source_raises_compile_error(cache_root: Path) -> None:

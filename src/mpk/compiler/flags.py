@@ -52,12 +52,11 @@ from mpk.graph.graph import Graph
 from mpk.tasks.base import Access, boxes_overlap
 from mpk.tensors import Role
 
-# A linear reader polls one 16-byte vector (8 elements) a thread at a time, each an L2 round trip
-# after the last (more in flight spilled: linear/sm90.cuh), where a plain input is one batch of
-# copies: at two vectors a thread (256 threads: 8 KB) the hand-off's saving (~1.2 us) still
-# exceeds the extra trip; qwen3-0.6b at batch 8 (hidden 16 KB: four) got slower, 1.178 -> 1.200
-# ms (perf-log, fourteenth session).
-FLAG_MAX_BYTES = 8 * 1024
+# A linear reader polls its 16-byte vectors four a thread in flight (linear/sm90.cuh poll_stage:
+# 256 threads, 16 KB in one round); polled one after the other, batch 8's 16 KB hidden (four a
+# thread, four L2 round trips) lost to plain copies: qwen3-0.6b b8 1.178 -> 1.200 ms (perf-log,
+# fourteenth session), so the limit was 8 KB until the reads went out together.
+FLAG_MAX_BYTES = 16 * 1024
 _MAX_WRITES = 1 << 11  # W takes 12 bits of an entry, w the 11 below its sign bit
 
 

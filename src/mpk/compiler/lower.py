@@ -61,7 +61,8 @@ def compile_graph(graph: Graph, num_sms: int = DEFAULT_NUM_SMS, *, fuse_ops: boo
         ops=tuple(_plan_op(op, tensor_ids) for op in ops),
         op_params=_op_params(ops, flags), instrs=instrs, lengths=lengths,
         counter_counts=np.array(counters.counts, dtype=np.int32), arena_bytes=arena,
-        scratch_bytes=_scratch_bytes(ops), streams=streams, constants=_cuda_constants(ops),
+        scratch_bytes=_scratch_bytes(ops), streams=streams,
+        constants=_cuda_constants(ops, flags.tensors),
     )
     plan.meta.update(_stats(ops, counters, sched, plan, costs, cost_model))
     plan.meta["compile_s"] = round(time.perf_counter() - t0, 3)
@@ -91,10 +92,11 @@ def _plan_op(op: TiledOp, tensor_ids: dict[str, int]) -> PlanOp:
                   tuple(op.op.splits), tuple(op.op.attrs), op.first_task)
 
 
-def _cuda_constants(ops: list[TiledOp]) -> tuple[tuple[str, int], ...]:
+def _cuda_constants(ops: list[TiledOp], flagged: frozenset[str]) -> tuple[tuple[str, int], ...]:
     values: dict[str, int] = {}
     for op in ops:
-        for name, value in op.kind.cuda_constants(op.view).items():
+        operands = frozenset(acc.operand for acc in op.accesses if acc.tensor in flagged)
+        for name, value in op.kind.cuda_constants(op.view, operands).items():
             values[name] = max(values.get(name, value), value)
     return tuple(sorted(values.items()))
 

@@ -242,8 +242,10 @@ class TaskKind:
     # them (cuda_constants), the build takes the largest value over the plan's ops.
     cuda_defaults: ClassVar[Mapping[str, int]] = {}
 
-    def cuda_constants(self, op: OpView) -> dict[str, int]:
-        """Values of cuda_defaults this op needs (e.g. a register-array size)."""
+    def cuda_constants(self, op: OpView, flagged: frozenset[str] = frozenset()
+                       ) -> dict[str, int]:
+        """Values of cuda_defaults this op needs (e.g. a register-array size); `flagged`: its
+        operands whose tensor the plan flags (compiler/flags.py)."""
         return {}
 
     def flag_operands(self, op: OpView) -> frozenset[str]:

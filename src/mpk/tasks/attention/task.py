@@ -99,7 +99,8 @@ class Attention(TaskKind):
             names.add("out")
         return frozenset(names)
 
-    def cuda_constants(self, op: OpView) -> dict[str, int]:
+    def cuda_constants(self, op: OpView, flagged: frozenset[str] = frozenset()
+                       ) -> dict[str, int]:
         d = op.shape("k_cache")[3]
         return {"ATTN_MAX_HEAD_DIM": SMALL_HEAD_DIM if d <= SMALL_HEAD_DIM else MAX_HEAD_DIM}
 

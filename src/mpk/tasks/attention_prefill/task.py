@@ -107,7 +107,8 @@ class AttentionPrefill(TaskKind):
         pieces = row_pieces(op.shape("q")[0], op.grid[1], point[1])
         return ((pieces[0][0], pieces[-1][1]),) + box[1:]
 
-    def cuda_constants(self, op: OpView) -> dict[str, int]:
+    def cuda_constants(self, op: OpView, flagged: frozenset[str] = frozenset()
+                       ) -> dict[str, int]:
         return {"PREFILL_HEAD_DIM": staged_head_dim(op.shape("k_cache")[3])}
 
     def scratch_bytes(self, op: OpView) -> int:

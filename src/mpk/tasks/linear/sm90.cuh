@@ -244,21 +244,56 @@ __device__ __forceinline__ void stage_vec(const Task& t, const Scratch& s, int b
     *reinterpret_cast<uint4*>(landing(s, b, v)) = make_uint4(0u, 0u, 0u, 0u);
 }
 
-// Flagged x: the staged rows' vectors polled into place (natural order, zeros as stage_vec), one
-// a thread at a time: more in flight spilled; compiler/flags.py keeps it to two a thread.
+// Flagged x: the staged rows' vectors polled into place (natural order, zeros as stage_vec),
+// kPollVecs a thread in flight (task.py LINEAR_POLL_VECS: what the plan's largest flagged x needs
+// for one round, 4 at most): all of a thread's loads issue together, then only the vectors whose
+// words do not all carry the epoch yet are loaded again. One vector at a time paid an L2 round
+// trip each, and at four a thread (batch 8's 16 KB hidden) lost to plain copies (perf-log,
+// fourteenth session).
+constexpr int kPollVecs = LINEAR_POLL_VECS;
+static_assert(kPollVecs >= 1 && kPollVecs <= 4, "task.py POLL_VECS_MAX");
 __device__ __forceinline__ void poll_stage(const Task& t, const Scratch& s, int k0, int vpr,
                                            int vfill) {
   const int total = staged_rows(t) * vfill;
   const dev::Poll poll;
-  for (int idx = threadIdx.x; idx < total; idx += NUM_THREADS) {
-    const int r = idx / vfill, c = idx - r * vfill;
-    uint4 val = make_uint4(0u, 0u, 0u, 0u);
-    if (r < t.B && c < vpr) {
-      const dev::flag_word* w = reinterpret_cast<const dev::flag_word*>(t.x) +
-                                (unsigned)(r * (t.K >> 1) + ((k0 + c * 8) >> 1));
-      val = dev::poll8(w, t.x_ep, poll);
+  const dev::flag_word* words = reinterpret_cast<const dev::flag_word*>(t.x);
+  for (int base = threadIdx.x; base < total; base += kPollVecs * NUM_THREADS) {
+    // Vector j's words and landing (-1: past the staged rows), worked out once, before the
+    // loop: no division in a round.
+    unsigned src[kPollVecs], pending = 0u;  // bit j: vector j is real and not yet in
+    int land[kPollVecs];
+#pragma unroll
+    for (int j = 0; j < kPollVecs; ++j) {
+      const int idx = base + j * NUM_THREADS, r = idx / vfill, c = idx - r * vfill;
+      src[j] = (unsigned)(r * (t.K >> 1) + ((k0 + c * 8) >> 1));
+      land[j] = idx < total ? r * s.XS + c * 8 : -1;
+      if (idx < total && r < t.B && c < vpr) pending |= 1u << j;
     }
-    *reinterpret_cast<uint4*>(landing(s, r, c)) = val;
+    const unsigned real = pending;
+    dev::flag_word w[kPollVecs][4] = {};  // a vector never loaded is never stored
+    for (;;) {
+#pragma unroll
+      for (int j = 0; j < kPollVecs; ++j) {
+        if ((pending >> j) & 1u) {
+          dev::ld_flag2(words + src[j], w[j][0], w[j][1]);
+          dev::ld_flag2(words + src[j] + 2, w[j][2], w[j][3]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kPollVecs; ++j)
+        if (dev::word_epoch(w[j][0]) == t.x_ep && dev::word_epoch(w[j][1]) == t.x_ep &&
+            dev::word_epoch(w[j][2]) == t.x_ep && dev::word_epoch(w[j][3]) == t.x_ep)
+          pending &= ~(1u << j);
+      if (pending == 0u || !poll.again()) break;
+    }
+#pragma unroll
+    for (int j = 0; j < kPollVecs; ++j) {
+      if (land[j] < 0) continue;
+      *reinterpret_cast<uint4*>(s.xs + land[j]) =
+          (real >> j) & 1u ? make_uint4(dev::word_pair(w[j][0]), dev::word_pair(w[j][1]),
+                                        dev::word_pair(w[j][2]), dev::word_pair(w[j][3]))
+                           : make_uint4(0u, 0u, 0u, 0u);
+    }
   }
 }
 

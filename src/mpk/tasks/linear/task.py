@@ -26,6 +26,8 @@ plan, models/builder.DecodeShape.numerics_batch) gives that plan's xc and task c
 
 from __future__ import annotations
 
+import math
+
 
 import torch
 
@@ -50,6 +52,7 @@ X_PAD = 32  # bf16 elements of padding per staged row (bank spread, see sm90.cuh
 PART_WARP = 144  # sm90.cuh kPartWarp: a warp's partial sums, 8 rows of 18 (bank padding)
 PART_BYTES = 2 * geo.WARPS * PART_WARP * 4  # cross-warp partial sums, two buffers
 MAX_BATCH = 16
+POLL_VECS_MAX = 4  # sm90.cuh poll_stage: vectors a thread polls in flight, at most
 MAX_NORM_K = PAGE_BYTES // 2
 
 
@@ -123,10 +126,19 @@ class Linear(TaskKind):
     # The kernel builds its walk for 9-16 rows (two staged rows an MMA fragment: more registers)
     # only where an op of the plan has more than 8 (geo.ROWS) rows: in a plan of 8 rows or fewer
     # its registers crowded ptxas' allocation of the whole kernel (cold spills in attention).
-    cuda_defaults = {"LINEAR_MAX_BATCH": MAX_BATCH}
+    # A flagged x is polled LINEAR_POLL_VECS 16-byte vectors a thread in flight (sm90.cuh
+    # poll_stage): as many as the plan's largest flagged x needs for one round (at most 4 under
+    # compiler/flags.py's 16 KB), since four in flight where two suffice cost qwen3-0.6b b1 ~1%
+    # (perf-log, twenty-ninth session).
+    cuda_defaults = {"LINEAR_MAX_BATCH": MAX_BATCH, "LINEAR_POLL_VECS": POLL_VECS_MAX}
 
-    def cuda_constants(self, op: OpView) -> dict[str, int]:
-        return {"LINEAR_MAX_BATCH": op.shape("x")[0]}
+    def cuda_constants(self, op: OpView, flagged: frozenset[str] = frozenset()
+                       ) -> dict[str, int]:
+        constants = {"LINEAR_MAX_BATCH": op.shape("x")[0]}
+        if "x" in flagged:
+            vectors = math.prod(op.shape("x")) // 8
+            constants["LINEAR_POLL_VECS"] = min(POLL_VECS_MAX, -(-vectors // (geo.WARPS * 32)))
+        return constants
 
     def default_splits(self, grid, tensors):
         row_dim = len(tensors["weight"].shape) - 2

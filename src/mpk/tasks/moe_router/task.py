@@ -70,7 +70,8 @@ class MoeRouter(TaskKind):
     # lane that build spilled 32 reloads in the softmax, nineteenth session)
     cuda_defaults = {"ROUTER_EXPERTS_PER_LANE": 4}
 
-    def cuda_constants(self, op: OpView) -> dict[str, int]:
+    def cuda_constants(self, op: OpView, flagged: frozenset[str] = frozenset()
+                       ) -> dict[str, int]:
         return {"ROUTER_EXPERTS_PER_LANE": -(-op.shape("logits")[1] // 32)}
 
     def default_splits(self, grid, tensors):
