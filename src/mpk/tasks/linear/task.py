@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 
-
 import torch
 
 from mpk.dtypes import DType
