@@ -661,10 +661,13 @@ __device__ __forceinline__ void init_rows(const Task& t, const Scratch& s) {
 
 // The task as run() starts it: worked out here, or (kPre) read back from the prologue's copy.
 __device__ __forceinline__ Task task_at_run(const mpk::TaskArgs& a) {
-  if constexpr (kPre) return *reinterpret_cast<const Task*>(a.smem);
-  const Task t = task_of(a);
-  if (t.rgs > 0) init_rows(t, carve(t, a.smem));
-  return t;
+  if constexpr (kPre) {
+    return *reinterpret_cast<const Task*>(a.smem);
+  } else {
+    const Task t = task_of(a);
+    if (t.rgs > 0) init_rows(t, carve(t, a.smem));
+    return t;
+  }
 }
 
 }  // namespace detail
