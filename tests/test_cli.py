@@ -390,3 +390,40 @@ def test_python_dash_m_entry_point() -> None:
     proc = subprocess.run([sys.executable, "-m", "mpk", "plan", "--help"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and "usage: mpk plan" in proc.stdout
+
+
+def test_an_error_after_a_gpu_fault_exits_without_destructors(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A faulted CUDA context aborts the process when tensors are freed at exit (rc 134 and a
+    C++ stack, thirtieth session): the CLI prints its one line, then ends the process at once."""
+    exits: list[int] = []
+
+    def exit_now(code: int) -> None:
+        exits.append(code)
+
+    def lost() -> None:  # torch.cuda after a fault inside a kernel: every call fails
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lost)
+    monkeypatch.setattr("mpk.cli.exit_now", exit_now)
+    code, _, err = run(capsys, "generate", "--model", "no-such-model")
+    assert exits == [2] and code == 2
+    assert err.startswith("mpk: error: no model preset")
+
+
+def test_an_error_with_a_healthy_context_returns(capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("mpk.cli.exit_now", lambda code: pytest.fail("exit_now called"))
+    code, _, err = run(capsys, "generate", "--model", "no-such-model")
+    assert code == 2 and "no model preset" in err
+
+
+def test_exit_now_flushes_and_skips_destructors() -> None:
+    script = ("import atexit, sys\nfrom mpk.cli import exit_now\n"
+              "atexit.register(lambda: print('destructors ran'))\n"
+              "print('flushed', end='')\nsys.stderr.write('err')\nexit_now(3)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 3
+    assert done.stdout == "flushed" and done.stderr == "err"

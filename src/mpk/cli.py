@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -300,10 +301,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         lines = str(e).strip().splitlines() or [type(e).__name__]
         more = f" ({len(lines) - 1} more lines with -v)" if len(lines) > 1 else ""
         print(f"mpk: error: {lines[0]}{more}", file=sys.stderr)
+        if cuda_context_lost():
+            exit_now(EXIT_USAGE)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("mpk: interrupted", file=sys.stderr)
         return 130
+
+
+def cuda_context_lost() -> bool:
+    """Whether a fault inside a kernel (an illegal address, a trap) left this process's CUDA
+    context unusable: every later CUDA call fails, including the caching allocator's when a CUDA
+    tensor is freed at exit, which throws inside a C++ destructor and aborts the process (rc 134
+    and a C++ stack after the one-line error)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return False
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # the sticky error again, whatever torch wraps it in
+        return True
+    return False
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process with `code` without running its destructors (see cuda_context_lost)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ---- mpk bench / mpk profile (cli_gpu.py) ----------------------------------------------------
