@@ -130,12 +130,24 @@ def test_tensor_parallel_ranks_keep_the_residual_plain() -> None:
 
 @pytest.mark.parametrize(("batch", "expected"), [(1, {"hidden", "act", "qkv"}),
                                                  (2, {"hidden", "act", "qkv", "attn"}),
-                                                 (8, {"hidden"}), (16, set())])
+                                                 (4, {"hidden", "act", "qkv", "attn"}),
+                                                 (8, {"hidden"}), (16, {"hidden"})])
 def test_tensors_over_the_byte_limit_stay_plain(batch: int, expected: set[str]) -> None:
     _, plan = _plan("qwen3-0.6b", batch=batch)  # hidden: B x 1024 bf16, act: B x 3072, qkv B x 4096
     flagged = {t.name.split(".")[-1] for t in plan.tensors if t.flagged}
     assert flagged == expected
     assert all(t.device_nbytes <= 2 * flags.FLAG_MAX_BYTES for t in plan.tensors if t.flagged)
+
+
+@pytest.mark.parametrize(("batch", "flagged"), [(4, True), (8, False)])
+def test_attention_flags_its_output_up_to_its_own_limit(batch: int, flagged: bool) -> None:
+    # One KV split (4 pages): attention writes attn itself, B x 2048 bf16. At batch 8 (32 KB) the
+    # compiler's limit would allow it, the attention kind's (16 KB) does not.
+    cfg = get_preset("qwen3-0.6b")
+    plan = compile_graph(build_graph(cfg, DecodeShape(batch=batch, max_pages=4)), NUM_SMS)
+    attn = [t for t in plan.tensors if t.name.endswith(".attn")]
+    assert attn and all(t.flagged == flagged for t in attn)
+    assert any(t.flagged for t in plan.tensors if t.name == "hidden")
 
 
 def test_a_partial_reader_skips_only_a_wait_on_the_tasks_it_sees_whole() -> None:

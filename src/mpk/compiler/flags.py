@@ -52,11 +52,12 @@ from mpk.graph.graph import Graph
 from mpk.tasks.base import Access, boxes_overlap
 from mpk.tensors import Role
 
-# A linear reader polls its 16-byte vectors four a thread in flight (linear/sm90.cuh poll_stage:
-# 256 threads, 16 KB in one round); polled one after the other, batch 8's 16 KB hidden (four a
-# thread, four L2 round trips) lost to plain copies: qwen3-0.6b b8 1.178 -> 1.200 ms (perf-log,
-# fourteenth session), so the limit was 8 KB until the reads went out together.
-FLAG_MAX_BYTES = 16 * 1024
+# A linear reader polls its 16-byte vectors up to four a thread in flight (linear/sm90.cuh
+# poll_stage: 256 threads, 16 KB a round; 32 KB, batch 16's qwen3-0.6b hidden, in two); polled
+# one after the other, batch 8's 16 KB hidden (four a thread, four L2 round trips) lost to plain
+# copies: qwen3-0.6b b8 1.178 -> 1.200 ms (perf-log, fourteenth session), so the limit was 8 KB
+# until the reads went out together, then 16 KB (twenty-ninth session).
+FLAG_MAX_BYTES = 32 * 1024
 _MAX_WRITES = 1 << 11  # W takes 12 bits of an entry, w the 11 below its sign bit
 
 
