@@ -126,9 +126,9 @@ class Linear(TaskKind):
     # only where an op of the plan has more than 8 (geo.ROWS) rows: in a plan of 8 rows or fewer
     # its registers crowded ptxas' allocation of the whole kernel (cold spills in attention).
     # A flagged x is polled LINEAR_POLL_VECS 16-byte vectors a thread in flight (sm90.cuh
-    # poll_stage): as many as the plan's largest flagged x needs for one round (at most 4 under
-    # compiler/flags.py's 16 KB), since four in flight where two suffice cost qwen3-0.6b b1 ~1%
-    # (perf-log, twenty-ninth session).
+    # poll_stage): as many as the plan's largest flagged x needs for one round, 4 at most (16 KB
+    # a round; compiler/flags.py's 32 KB take two), since four in flight where two suffice cost
+    # qwen3-0.6b b1 ~1% (perf-log, twenty-ninth session).
     cuda_defaults = {"LINEAR_MAX_BATCH": MAX_BATCH, "LINEAR_POLL_VECS": POLL_VECS_MAX}
 
     def cuda_constants(self, op: OpView, flagged: frozenset[str] = frozenset()
