@@ -164,6 +164,28 @@ def test_a_stop_id_frees_the_slot_for_a_waiting_request() -> None:
     assert sum(ex.launches) < 30  # the first request stopped early
 
 
+def test_a_launch_wakes_the_reader_once_and_a_stop_mid_launch_drops_the_rest() -> None:
+    free = solo([11], 30)
+    sched, ex = make(1, 8, eos_token_ids=[free[10]])
+    handle = sched.submit(RequestHandle([11], SamplingParams(max_tokens=30)))
+    drain(sched)
+    chunks = []
+    while not handle._queue.empty():
+        chunks.append(handle._queue.get_nowait())
+    # Launches of 8 steps: tokens 0-7, then 8-10 (the stop id), the rest of that launch dropped.
+    assert [len(c) for c in chunks[:-1]] == [8, 3] and not isinstance(chunks[-1], tuple)
+    assert list(chunks[0] + chunks[1]) == free[:11] == handle.result().token_ids
+    assert handle.result().finish_reason is FinishReason.STOP
+
+
+def test_the_iterator_yields_each_token_of_a_launch() -> None:
+    sched, _ = make(2, 4)
+    handles = [sched.submit(RequestHandle(p, SamplingParams(max_tokens=9))) for p in ([5], [2, 3])]
+    drain(sched)
+    for handle, prompt in zip(handles, ([5], [2, 3]), strict=True):
+        assert list(handle) == handle.result().token_ids == solo(prompt, 9)
+
+
 def test_cancelled_requests_lose_nothing_else() -> None:
     sched, ex = make(2, 2)
     a = sched.submit(RequestHandle([1, 2, 3], SamplingParams(max_tokens=20)))

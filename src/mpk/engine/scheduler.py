@@ -35,7 +35,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -318,7 +318,7 @@ class Scheduler:
         self.stats.prefill_pieces.append(len(pieces))
         for k, (run, _, m) in enumerate(pieces):
             if m == run.prompt_left:  # the piece ends the prompt: its token is the first output
-                self._deliver(run, produced[0][k], end)
+                self._deliver(run, [produced[0][k]], end)
             run.pos += m
         for run, _, _ in pieces:
             if run.finished is not None:
@@ -397,6 +397,8 @@ class Scheduler:
         (its steps are idle) and a row alone its own previous token (forced at step 0, since
         the request may have held another row in the last launch)."""
         run, ids = rows.run, rows.run.handle.prompt
+        if not rows.is_run and run.pos + i >= len(ids):  # decoding (the common row, in short)
+            return [run.handle.last_token] + [io.NO_FORCE] * (self.steps_per_launch - 1)
         out = []
         for s in range(self.steps_per_launch):
             p = run.pos + s * rows.width + i
@@ -417,28 +419,36 @@ class Scheduler:
             end = run.pos + n * rows.width
             if last < end:
                 s, i = divmod(last - run.pos, rows.width)
-                self._deliver(run, produced[s][rows.first + i], now)
+                self._deliver(run, [produced[s][rows.first + i]], now)
             run.pos = min(end, last + 1)
             return
-        for s in range(n):
-            if run.pos + s >= last and run.finished is None:
-                self._deliver(run, produced[s][rows.first], now)
+        first = max(0, last - run.pos)
+        self._deliver(run, [produced[s][rows.first] for s in range(first, n)], now)
         run.pos += n
 
-    def _deliver(self, run: _Running, token: int, now: float) -> None:
+    def _deliver(self, run: _Running, tokens: list[int], now: float) -> None:
+        """Hand the request this launch's `tokens` in order, up to the one that finishes it
+        (a stop id or string, or max_tokens): the later ones are dropped."""
+        if run.finished is not None:
+            return
         handle, params = run.handle, run.handle.params
-        handle.deliver(token, now)
-        if token in run.stop_ids:
-            run.finished = FinishReason.STOP
-        elif params.stop and self._stop_string(handle):
-            run.finished = FinishReason.STOP
-        elif handle.num_tokens >= params.max_tokens:
-            run.finished = FinishReason.LENGTH
+        kept, room = 0, params.max_tokens - handle.num_tokens
+        for token in tokens:
+            kept += 1
+            if token in run.stop_ids:
+                run.finished = FinishReason.STOP
+            elif params.stop and self._stop_string(handle.tokens + tokens[:kept], params.stop):
+                run.finished = FinishReason.STOP
+            elif kept >= room:
+                run.finished = FinishReason.LENGTH
+            if run.finished is not None:
+                break
+        handle.deliver(tokens[:kept], now)
 
-    def _stop_string(self, handle: RequestHandle) -> bool:
+    def _stop_string(self, tokens: list[int], stops: Sequence[str]) -> bool:
         assert self.detokenize is not None
-        text = self.detokenize(handle.tokens)
-        return any(s in text for s in handle.params.stop)
+        text = self.detokenize(tokens)
+        return any(s in text for s in stops)
 
     def _release(self, run: _Running, reason: FinishReason, error: str | None = None) -> None:
         self.pool.free(run.pages)
