@@ -154,10 +154,11 @@ class CudaExecutor:
         if int(self.plan.lengths.max()) * num_steps >= 2**31:
             raise MpkError(f"{num_steps} steps of {int(self.plan.lengths.max())} records per SM "
                            f"is more than one launch can count (2^31); run fewer steps at once")
-        missing = [t.name for i, t in enumerate(self.plan.tensors)
-                   if i not in self._views and i not in self._bound]
-        if missing:
-            raise MpkError(f"bind these tensors before run(): {', '.join(missing)}")
+        if self._ptr_table is None:  # checked once per binding (a scan of every tensor)
+            missing = [t.name for i, t in enumerate(self.plan.tensors)
+                       if i not in self._views and i not in self._bound]
+            if missing:
+                raise MpkError(f"bind these tensors before run(): {', '.join(missing)}")
         stamps = None
         if self.profile:  # zeros: a record that never ran (a stopped launch) keeps no stamps
             stamps = torch.zeros((num_steps, self.plan.num_sms, self._max_len,
