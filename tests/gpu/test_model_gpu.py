@@ -26,11 +26,12 @@ pytestmark = pytest.mark.gpu
 # (preset, layer slices, batch): a one-layer slice and the whole model, except qwen3-8b, whose
 # 36 one-layer interpreter runs would take minutes: there two layers. Batch 16 takes the kernels'
 # wide paths (the linear walk's rows g and g + 8, attention's 16 rows per head); batch 8 polls
-# the flagged 16 KB hidden four vectors a thread (linear poll_stage).
+# the flagged 16 KB hidden four vectors a thread (linear poll_stage); qwen3-0.6b at batch 4 and
+# 16 and llama-3.2-1b at batch 8 poll 24-32 KB inputs in two rounds.
 CASES = [
     ("tiny-qwen3", None, 1), ("tiny-llama", None, 1),
-    ("qwen3-0.6b", 1, 1), ("qwen3-0.6b", None, 1), ("qwen3-0.6b", 1, 8),
-    ("llama-3.2-1b", 1, 1), ("llama-3.2-1b", None, 1),
+    ("qwen3-0.6b", 1, 1), ("qwen3-0.6b", None, 1), ("qwen3-0.6b", 1, 4), ("qwen3-0.6b", 1, 8),
+    ("llama-3.2-1b", 1, 1), ("llama-3.2-1b", None, 1), ("llama-3.2-1b", 1, 8),
     ("qwen3-8b", 1, 1), ("qwen3-8b", 2, 1),
     ("tiny-qwen3", None, 16), ("qwen3-0.6b", 1, 16),
 ]
