@@ -57,8 +57,9 @@ class EngineConfig:
     prefill_rows: int = MAX_BATCH
     # Prompt positions per launch of the prefill plan (models/prefill.py), where the backend
     # runs one, for prompts longer than half of it; longer ones take several (0: no prefill plan,
-    # prompts go in as runs). Larger chunks feed long prompts faster (2,048 tokens on qwen3-8b:
-    # 346 ms at 256, 236 ms at 1024) and stall the decoding requests longer per chunk.
+    # prompts go in as runs). Larger chunks feed long prompts faster (2,048 tokens on qwen3-8b,
+    # H100: 87 ms in one chunk of 2048, 90 ms in two of 1024; perf-log, thirty-first session)
+    # and stall the decoding requests longer per chunk.
     prefill_chunk: int = 256
 
     def __post_init__(self) -> None:
