@@ -19,6 +19,11 @@
 // contiguous 1/ctas slice, 16-byte stores), as the megakernel's producers do; 0: 32 bytes each.
 // `smem` KB: the dynamic shared memory each CTA asks for (at least MAX_BYTES). The megakernel
 // takes ~208 KB (weight pages + scratch), which leaves the L1 cache the rest of the 256 KB.
+// `load` 1 (thirty-first session): the ninth warp streams "weights" as the runtime's loader
+// does all along: 16 KB bulk copies of the CTA's own 4 MB region (far more than L2 holds, so
+// from HBM) into a ring of LOAD_PAGES pages, a page reissued as soon as its copy lands. Does a
+// full-rate weight stream on every SM slow the broadcast read of x (perf-log, thirty-first
+// session: the megakernel's b16 input takes ~2x stage_bench's time)?
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/stb scripts/stage_bench.cu && /tmp/stb
 #include <cstdio>
@@ -26,6 +31,8 @@
 #include <cuda_runtime.h>
 
 constexpr int THREADS = 256, PHASES = 500, MAX_BYTES = 96 * 1024, CHUNK = 4096;
+constexpr int LOAD_PAGES = 4, LOAD_PAGE = 16 * 1024;
+constexpr long long LOAD_REGION = 4ll << 20;  // bytes of "weights" a CTA streams, cycled
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -84,23 +91,58 @@ __device__ __forceinline__ void stage(char* dst, const char* src, int bytes, uin
   }
 }
 
-template <int kMethod, bool kPoll>
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 " selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+
+// The ninth warp's lane 0 as the runtime's loader: page i of the stream into ring slot
+// i % LOAD_PAGES once the copy that used the slot before has landed, until the consumers finish;
+// then every copy in flight is waited for (none may outlive the CTA).
+__device__ void stream_weights(const char* w, char* ring, unsigned long long* bars,
+                               volatile int* finished) {
+  long long i = 0;
+  for (; !*finished; ++i) {
+    const int slot = (int)(i % LOAD_PAGES);
+    const uint32_t bar = smem_u32(bars + slot);
+    if (i >= LOAD_PAGES) mbar_wait(bar, (uint32_t)((i / LOAD_PAGES - 1) & 1));
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
+                 "r"(LOAD_PAGE) : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        ::"r"(smem_u32(ring + slot * LOAD_PAGE)), "l"(w + (i * LOAD_PAGE) % LOAD_REGION),
+        "r"(LOAD_PAGE), "r"(bar) : "memory");
+  }
+  for (long long j = i > LOAD_PAGES ? i - LOAD_PAGES : 0; j < i; ++j)
+    mbar_wait(smem_u32(bars + j % LOAD_PAGES), (uint32_t)((j / LOAD_PAGES) & 1));
+}
+
+template <int kMethod, bool kPoll, bool kLoad = false>
 __global__ void __launch_bounds__(THREADS + 32, 1)
     bench(char* x, unsigned long long* ctr, int bytes, int shared, unsigned long long* elapsed,
-          unsigned* sink, int rewrite) {
+          unsigned* sink, int rewrite, const char* weights) {
   extern __shared__ __align__(128) char xs[];
   __shared__ __align__(8) unsigned long long bar;
+  __shared__ __align__(8) unsigned long long load_bars[LOAD_PAGES];
   __shared__ volatile int finished;
   const int tid = threadIdx.x, ctas = gridDim.x;
   if (tid == 0) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&bar)) : "memory");
+    for (int j = 0; j < LOAD_PAGES; ++j)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(load_bars + j))
+                   : "memory");
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     finished = 0;
   }
   __syncthreads();
-  if (tid >= THREADS) {  // the poller
+  if (tid >= THREADS) {  // the poller, or the loader
     unsigned long long v = 0;
-    if (kPoll && tid == THREADS)
+    if (kLoad && tid == THREADS)
+      stream_weights(weights + blockIdx.x * LOAD_REGION, xs + MAX_BYTES, load_bars, &finished);
+    else if (kPoll && tid == THREADS)
       while (!finished) v += ld_acquire(ctr + 1 + blockIdx.x);
     if (v == 1) sink[0] = 1;
     return;
@@ -144,24 +186,31 @@ __global__ void __launch_bounds__(THREADS + 32, 1)
   if (blockIdx.x == 0 && tid == 0) *elapsed = now() - t0;
 }
 
-template <int kMethod, bool kPoll = false>
+template <int kMethod, bool kPoll = false, bool kLoad = false>
 double run(int bytes, int shared, int ctas, int smem_kb = MAX_BYTES / 1024, int rewrite = 0) {
-  char* x;
+  char *x, *weights = nullptr;
   unsigned long long *ctr, *elapsed;
   unsigned* sink;
+  if (kLoad) {  // the ring follows the staged bytes
+    smem_kb = smem_kb > (MAX_BYTES + LOAD_PAGES * LOAD_PAGE) / 1024
+                  ? smem_kb : (MAX_BYTES + LOAD_PAGES * LOAD_PAGE) / 1024;
+    cudaMalloc(&weights, ctas * LOAD_REGION);
+    cudaMemset(weights, 3, ctas * LOAD_REGION);
+  }
   cudaMalloc(&x, 2ll * ctas * MAX_BYTES);
   cudaMemset(x, 1, 2ll * ctas * MAX_BYTES);
   cudaMalloc(&ctr, 8 * (ctas + 1));
   cudaMemset(ctr, 0, 8 * (ctas + 1));
   cudaMalloc(&elapsed, 8);
   cudaMalloc(&sink, ctas * THREADS * 4);
-  auto k = bench<kMethod, kPoll>;
+  auto k = bench<kMethod, kPoll, kLoad>;
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_kb * 1024);
-  k<<<ctas, THREADS + 32, smem_kb * 1024>>>(x, ctr, bytes, shared, elapsed, sink, rewrite);
+  k<<<ctas, THREADS + 32, smem_kb * 1024>>>(x, ctr, bytes, shared, elapsed, sink, rewrite,
+                                            weights);
   const cudaError_t e = cudaDeviceSynchronize();
   unsigned long long ns = 0;
   cudaMemcpy(&ns, elapsed, 8, cudaMemcpyDeviceToHost);
-  cudaFree(x), cudaFree(ctr), cudaFree(elapsed), cudaFree(sink);
+  cudaFree(x), cudaFree(ctr), cudaFree(elapsed), cudaFree(sink), cudaFree(weights);
   if (e != cudaSuccess) {
     printf("error: %s\n", cudaGetErrorString(e));
     return -1;
@@ -191,5 +240,16 @@ int main(int argc, char** argv) {
       printf("%8d %8d %8.3f %8.3f %8.3f\n", bytes, rw, run<0>(bytes, 1, sms, 96, rw),
              run<1>(bytes, 1, sms, 96, rw), run<2>(bytes, 1, sms, 96, rw));
   printf("no read, rewrite 65536: %.3f\n", run<-1>(65536, 1, sms, 96, 1));
+  printf("\nshared, rewrite 1, with the loader streaming (load 1) or not:\n%8s %6s %8s %8s\n",
+         "bytes", "load", "cp16", "bulk");
+  for (int bytes : {0, 16384, 32768, 65536, 98304}) {
+    const int b = bytes ? bytes : 4096;  // 0: no read at all (the phase's own cost)
+    printf("%8d %6d %8.3f %8.3f\n", bytes, 0,
+           bytes ? run<0>(b, 1, sms, 96, 1) : run<-1>(b, 1, sms, 96, 1),
+           bytes ? run<2>(b, 1, sms, 96, 1) : 0.0);
+    printf("%8d %6d %8.3f %8.3f\n", bytes, 1,
+           bytes ? run<0, false, true>(b, 1, sms, 96, 1) : run<-1, false, true>(b, 1, sms, 96, 1),
+           bytes ? run<2, false, true>(b, 1, sms, 96, 1) : 0.0);
+  }
   return 0;
 }
