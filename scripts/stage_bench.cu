@@ -49,6 +49,14 @@ __device__ __forceinline__ unsigned long long now() {
 }
 __device__ __forceinline__ void cta_bar() { asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory"); }
 
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 " selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+
 template <int kMethod>
 __device__ __forceinline__ void stage(char* dst, const char* src, int bytes, uint32_t bar,
                                       uint32_t phase) {
@@ -83,20 +91,8 @@ __device__ __forceinline__ void stage(char* dst, const char* src, int bytes, uin
             "[%3];" ::"r"(smem_u32(dst + o)), "l"(src + o), "r"(min(CHUNK, bytes - o)), "r"(bar)
             : "memory");
     }
-    uint32_t done = 0;
-    while (!done)
-      asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                   " selp.u32 %0, 1, 0, p;\n}"
-                   : "=r"(done) : "r"(bar), "r"(phase & 1u) : "memory");
+    mbar_wait(bar, phase & 1u);
   }
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done)
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                 " selp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
 }
 
 // The ninth warp's lane 0 as the runtime's loader: page i of the stream into ring slot
