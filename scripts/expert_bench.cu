@@ -21,7 +21,8 @@
 //            I = 768, 48 rows of gate and of up, 4 KB each: 384 KB a task on 128 SMs)
 //     regs4   moe_gate_up's scheme: a warp per row, 4 + 4 vectors a lane in flight, 2 rounds
 //     regs8   8 + 8 vectors a lane (one round a row)
-//     bulk_ring  stages of 8 rows of gate and 8 of up (2 x 32 KB bulk copies), a ring of 3
+//     bulk_ring  stages of half of 8 rows of gate and of up (16 bulk copies of 2 KB: 32 KB), a
+//                ring of 3 (96 KB)
 //     cp_ring    the same ring by 16-byte cp.async
 // Each method's outputs are checked against `regs` (same lanes, same order: bit-identical), so a
 // broken scheme cannot post a time. Printed: us a phase minus the phase's own cost (barrier, no
@@ -41,7 +42,7 @@ constexpr int E = 128, H = 2048, I = 768, K = 8, TILES = 16;
 constexpr int DOWN_ROWS = 16;                  // outputs a down task at most (2048 / 132, 8-aligned)
 constexpr int DOWN_SLOT = DOWN_ROWS * I * 2;   // 24 KB: a slot's rows of one down task
 constexpr int GU_ROWS = I / TILES;             // 48 gate (and up) rows a gate_up task
-constexpr int GU_STAGE_ROWS = 8, GU_STAGE = GU_STAGE_ROWS * H * 2;  // 32 KB of gate (or up)
+constexpr int GU_STAGE_ROWS = 8;             // rows of a gate_up ring stage (half of each)
 constexpr int RING = 3;
 
 enum Method { NONE, D_REGS, D_CP_ALL, D_BULK_ALL, D_BULK_RING, D_CP_RING, G_REGS4, G_REGS8,
@@ -269,28 +270,32 @@ __device__ void gate_up_phase(const Args& a, int rep, char* smem, uint64_t* bars
     }
     return;
   }
-  // Rings: stage s holds rows [8 s, 8 s + 8) of gate, then of up; warp w takes row 8 s + w.
-  constexpr int kStages = GU_ROWS / GU_STAGE_ROWS;
+  // Rings: stage s holds half hf = s % 2 of rows [8 rb, 8 rb + 8), rb = s / 2, of gate, then of
+  // up (2 KB pieces: 8 + 8 of them, 32 KB a stage); warp w takes row 8 rb + w, both halves.
+  constexpr int kStages = 2 * GU_ROWS / GU_STAGE_ROWS, kHalf = H / 2;
+  constexpr int kPiece = kHalf * 2, kMat = GU_STAGE_ROWS * kPiece;  // bytes
   auto issue = [&](int s) {
-    char* dst = wbuf + (s % RING) * 2 * GU_STAGE;
-    const char* g = reinterpret_cast<const char*>(gate + (long long)s * GU_STAGE_ROWS * H);
-    const char* up = reinterpret_cast<const char*>(gate + up_off + (long long)s * GU_STAGE_ROWS * H);
+    char* dst = wbuf + (s % RING) * 2 * kMat;
+    const __nv_bfloat16* g = gate + (long long)(s / 2) * GU_STAGE_ROWS * H + (s % 2) * kHalf;
     if (kMethod == G_BULK_RING) {
       if (tid == 0) {
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        expect(bars + s % RING, 2 * GU_STAGE);
-        bulk(dst, g, GU_STAGE, bars + s % RING);
-        bulk(dst + GU_STAGE, up, GU_STAGE, bars + s % RING);
+        expect(bars + s % RING, 2 * kMat);
+        for (int r = 0; r < GU_STAGE_ROWS; ++r) {
+          bulk(dst + r * kPiece, g + (long long)r * H, kPiece, bars + s % RING);
+          bulk(dst + kMat + r * kPiece, g + up_off + (long long)r * H, kPiece, bars + s % RING);
+        }
       }
     } else {
-      for (int o = tid * 16; o < GU_STAGE; o += THREADS * 16) {
-        cp16(dst + o, g + o);
-        cp16(dst + GU_STAGE + o, up + o);
+      for (int q = tid; q < 2 * kMat / 16; q += THREADS) {
+        const int m = q / (kMat / 16), r = (q % (kMat / 16)) / (kPiece / 16), c = q % (kPiece / 16);
+        cp16(dst + m * kMat + r * kPiece + c * 16, g + (m ? up_off : 0) + (long long)r * H + c * 8);
       }
       cp_commit();
     }
   };
   for (int s = 0; s < RING; ++s) issue(s);
+  float ag = 0.f, au = 0.f;
   for (int s = 0; s < kStages; ++s) {
     if (kMethod == G_BULK_RING) {
       mbar_wait(bars + s % RING, (par >> (s % RING)) & 1u);
@@ -299,19 +304,20 @@ __device__ void gate_up_phase(const Args& a, int rep, char* smem, uint64_t* bars
       if (s + RING <= kStages) cp_wait<RING - 1>(); else cp_wait<0>();
       __syncthreads();
     }
-    const __nv_bfloat16* g = reinterpret_cast<const __nv_bfloat16*>(wbuf + (s % RING) * 2 * GU_STAGE) +
-                             warp * H;
-    float ag = 0.f, au = 0.f;
-    for (int c = 0; c < H / 8; c += 32 * 4) {
+    const __nv_bfloat16* g = reinterpret_cast<const __nv_bfloat16*>(wbuf + (s % RING) * 2 * kMat) +
+                             warp * kHalf;
+    if (s % 2 == 0) ag = au = 0.f;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int v = c + 32 * i + lane;
-        ag = dot8(*reinterpret_cast<const uint4*>(g + v * 8), xs + v * 8, ag);
-        au = dot8(*reinterpret_cast<const uint4*>(g + GU_STAGE / 2 + v * 8), xs + v * 8, au);
-      }
+    for (int i = 0; i < 4; ++i) {
+      const int v = 32 * i + lane;  // of the half
+      const __nv_bfloat16* xv = xs + (s % 2) * kHalf + v * 8;
+      ag = dot8(*reinterpret_cast<const uint4*>(g + v * 8), xv, ag);
+      au = dot8(*reinterpret_cast<const uint4*>(g + kMat / 2 + v * 8), xv, au);
     }
-    const float gs = warp_sum(ag), us = warp_sum(au);
-    if (lane == 0) out[s * GU_STAGE_ROWS + warp] = gs * us;
+    if (s % 2 == 1) {
+      const float gs = warp_sum(ag), us = warp_sum(au);
+      if (lane == 0) out[(s / 2) * GU_STAGE_ROWS + warp] = gs * us;
+    }
     __syncthreads();  // every warp is done with the stage
     if (s + RING < kStages) issue(s + RING);
   }
