@@ -393,7 +393,7 @@ void report(Args a, int ctas, const std::vector<float>& ref, size_t n, double ba
   const double us = run<kMethod>(a, ctas, &got, n) - base;
   size_t bad = 0;
   for (size_t i = 0; i < n; ++i) bad += memcmp(&got[i], &ref[i], 4) != 0;
-  printf("  %-10s %8.3f us  %6.2f TB/s%s\n", kNames[kMethod], us, mb / us / 1e6,
+  printf("  %-10s %8.3f us  %6.2f TB/s%s\n", kNames[kMethod], us, mb / us,
          bad ? "  MISMATCH" : "");
   if (bad) printf("    %zu of %zu outputs differ from regs\n", bad, n);
 }
@@ -433,7 +433,7 @@ int main() {
   const size_t nd_out = (size_t)REPS * sms * DOWN_ROWS;
   printf("down (%.1f MB a phase, %d tasks):\n", down_mb, sms);
   const double d_us = run<D_REGS>(a, sms, &ref, nd_out) - base;
-  printf("  %-10s %8.3f us  %6.2f TB/s\n", "regs", d_us, down_mb / d_us / 1e6);
+  printf("  %-10s %8.3f us  %6.2f TB/s\n", "regs", d_us, down_mb / d_us);
   report<D_CP_ALL>(a, sms, ref, nd_out, base, down_mb);
   report<D_BULK_ALL>(a, sms, ref, nd_out, base, down_mb);
   report<D_BULK_RING>(a, sms, ref, nd_out, base, down_mb);
@@ -441,7 +441,7 @@ int main() {
   const size_t ng_out = (size_t)REPS * K * TILES * GU_ROWS;
   printf("gate_up (%.1f MB a phase, %d tasks):\n", gu_mb, K * TILES);
   const double g_us = run<G_REGS4>(a, sms, &ref, ng_out) - base;
-  printf("  %-10s %8.3f us  %6.2f TB/s\n", "regs4", g_us, gu_mb / g_us / 1e6);
+  printf("  %-10s %8.3f us  %6.2f TB/s\n", "regs4", g_us, gu_mb / g_us);
   report<G_REGS8>(a, sms, ref, ng_out, base, gu_mb);
   report<G_BULK_RING>(a, sms, ref, ng_out, base, gu_mb);
   report<G_CP_RING>(a, sms, ref, ng_out, base, gu_mb);
