@@ -37,6 +37,10 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "../src/mpk/backends/cuda/csrc/ptx.cuh"
+#include "../src/mpk/tasks/common/memory.cuh"
+#include "../src/mpk/tasks/common/reduce.cuh"
+
 constexpr int THREADS = 256, WARPS = THREADS / 32, REPS = 64, LAYERS = 6;
 constexpr int E = 128, H = 2048, I = 768, K = 8, TILES = 16;
 constexpr int DOWN_ROWS = 16;                  // outputs a down task at most (2048 / 132, 8-aligned)
@@ -50,48 +54,32 @@ enum Method { NONE, D_REGS, D_CP_ALL, D_BULK_ALL, D_BULK_RING, D_CP_RING, G_REGS
 static const char* kNames[] = {"none", "regs", "cp_all", "bulk_all", "bulk_ring", "cp_ring",
                                "regs4", "regs8", "bulk_ring", "cp_ring"};
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ unsigned long long now() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ uint4 ld_weight(const void* p) {  // as common/memory.cuh ld_weight_v4
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ void cp16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
+using mpk::ptx::smem_u32;
+using mpk::dev::warp_sum;
+// A bulk copy with no L2 cache hint (ptx.cuh's bulk_copy_g2s evicts first, as the loader's).
 __device__ __forceinline__ void bulk(void* dst, const void* src, int bytes, uint64_t* bar) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
       ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
 }
 __device__ __forceinline__ void expect(uint64_t* bar, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
-               "r"(bytes) : "memory");
+  mpk::ptx::mbar_arrive_expect_tx(smem_u32(bar), (uint32_t)bytes);
 }
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done)
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                 " selp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+  while (!mpk::ptx::mbar_try_wait(smem_u32(bar), parity)) {
+  }
 }
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
+// A ring's stage s (of `stages`) landed: its mbarrier (bulk copies; `par` holds each stage's
+// parity) or this thread's cp.async groups and a barrier.
+template <bool kBulk>
+__device__ __forceinline__ void wait_stage(uint64_t* bars, int s, int stages, uint32_t& par) {
+  if (kBulk) {
+    mbar_wait(bars + s % RING, (par >> (s % RING)) & 1u);
+    par ^= 1u << (s % RING);
+  } else {
+    mpk::dev::cp_async_wait_group(s + RING <= stages ? RING - 1 : 0);
+    __syncthreads();
+  }
 }
 // acc += x . w over one 16-byte vector of 8 bf16 each (x from shared memory).
 __device__ __forceinline__ float dot8(const uint4& w, const __nv_bfloat16* x, float acc) {
@@ -129,7 +117,7 @@ __device__ __forceinline__ float down_dot(const __nv_bfloat16* row, const __nv_b
 #pragma unroll
   for (int i = 0; i < I / 256; ++i) {
     const int v = lane + 32 * i;
-    const uint4 w = kGlobal ? ld_weight(row + v * 8) : *reinterpret_cast<const uint4*>(row + v * 8);
+    const uint4 w = kGlobal ? mpk::dev::ld_weight_v4(row + v * 8) : *reinterpret_cast<const uint4*>(row + v * 8);
     acc = dot8(w, xj + v * 8, acc);
   }
   return acc;
@@ -154,7 +142,7 @@ __device__ void down_phase(const Args& a, int rep, char* smem, uint64_t* bars, u
       for (int j = 0; j < K; ++j)
 #pragma unroll
         for (int i = 0; i < I / 256; ++i)
-          v[j][i] = ld_weight(slot_rows(j) + (long long)(n - lo) * I + (lane + 32 * i) * 8);
+          v[j][i] = mpk::dev::ld_weight_v4(slot_rows(j) + (long long)(n - lo) * I + (lane + 32 * i) * 8);
       float total = 0.f;
 #pragma unroll
       for (int j = 0; j < K; ++j) {
@@ -171,9 +159,9 @@ __device__ void down_phase(const Args& a, int rep, char* smem, uint64_t* bars, u
     if (kMethod == D_CP_ALL) {
       for (int j = 0; j < K; ++j)
         for (int o = tid * 16; o < slot_bytes; o += THREADS * 16)
-          cp16(wbuf + j * DOWN_SLOT + o, reinterpret_cast<const char*>(slot_rows(j)) + o);
-      cp_commit();
-      cp_wait<0>();
+          mpk::dev::cp_async_act16(wbuf + j * DOWN_SLOT + o, reinterpret_cast<const char*>(slot_rows(j)) + o);
+      mpk::dev::cp_async_commit();
+      mpk::dev::cp_async_wait_all();
       __syncthreads();
     } else {
       if (tid == 0) {
@@ -205,20 +193,14 @@ __device__ void down_phase(const Args& a, int rep, char* smem, uint64_t* bars, u
       }
     } else {
       for (int o = tid * 16; o < slot_bytes; o += THREADS * 16)
-        cp16(dst + o, reinterpret_cast<const char*>(slot_rows(j)) + o);
-      cp_commit();
+        mpk::dev::cp_async_act16(dst + o, reinterpret_cast<const char*>(slot_rows(j)) + o);
+      mpk::dev::cp_async_commit();
     }
   };
   for (int j = 0; j < RING; ++j) issue(j);
   float total[2] = {0.f, 0.f};
   for (int j = 0; j < K; ++j) {
-    if (kMethod == D_BULK_RING) {
-      mbar_wait(bars + j % RING, (par >> (j % RING)) & 1u);
-      par ^= 1u << (j % RING);
-    } else {
-      if (j + RING <= K) cp_wait<RING - 1>(); else cp_wait<0>();
-      __syncthreads();
-    }
+    wait_stage<kMethod == D_BULK_RING>(bars, j, K, par);
     const __nv_bfloat16* rows = reinterpret_cast<const __nv_bfloat16*>(wbuf + (j % RING) * DOWN_SLOT);
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
@@ -256,8 +238,8 @@ __device__ void gate_up_phase(const Args& a, int rep, char* smem, uint64_t* bars
         uint4 gv[kV], uv[kV];
 #pragma unroll
         for (int i = 0; i < kV; ++i) {
-          gv[i] = ld_weight(g + (c + 32 * i + lane) * 8);
-          uv[i] = ld_weight(g + up_off + (c + 32 * i + lane) * 8);
+          gv[i] = mpk::dev::ld_weight_v4(g + (c + 32 * i + lane) * 8);
+          uv[i] = mpk::dev::ld_weight_v4(g + up_off + (c + 32 * i + lane) * 8);
         }
 #pragma unroll
         for (int i = 0; i < kV; ++i) {
@@ -289,21 +271,15 @@ __device__ void gate_up_phase(const Args& a, int rep, char* smem, uint64_t* bars
     } else {
       for (int q = tid; q < 2 * kMat / 16; q += THREADS) {
         const int m = q / (kMat / 16), r = (q % (kMat / 16)) / (kPiece / 16), c = q % (kPiece / 16);
-        cp16(dst + m * kMat + r * kPiece + c * 16, g + (m ? up_off : 0) + (long long)r * H + c * 8);
+        mpk::dev::cp_async_act16(dst + m * kMat + r * kPiece + c * 16, g + (m ? up_off : 0) + (long long)r * H + c * 8);
       }
-      cp_commit();
+      mpk::dev::cp_async_commit();
     }
   };
   for (int s = 0; s < RING; ++s) issue(s);
   float ag = 0.f, au = 0.f;
   for (int s = 0; s < kStages; ++s) {
-    if (kMethod == G_BULK_RING) {
-      mbar_wait(bars + s % RING, (par >> (s % RING)) & 1u);
-      par ^= 1u << (s % RING);
-    } else {
-      if (s + RING <= kStages) cp_wait<RING - 1>(); else cp_wait<0>();
-      __syncthreads();
-    }
+    wait_stage<kMethod == G_BULK_RING>(bars, s, kStages, par);
     const __nv_bfloat16* g = reinterpret_cast<const __nv_bfloat16*>(wbuf + (s % RING) * 2 * kMat) +
                              warp * kHalf;
     if (s % 2 == 0) ag = au = 0.f;
@@ -330,14 +306,14 @@ __global__ void __launch_bounds__(THREADS, 1) bench(Args a) {
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int j = 0; j < RING; ++j)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bars + j)) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      mpk::ptx::mbar_init(smem_u32(bars + j), 1u);
+    mpk::ptx::mbar_init_fence();
   }
   for (int o = tid; o < K * I; o += THREADS)
     reinterpret_cast<__nv_bfloat16*>(smem)[o] = a.x[o];
   __syncthreads();
   uint32_t par = 0;
-  const unsigned long long t0 = now();
+  const unsigned long long t0 = mpk::ptx::globaltimer();
   for (int rep = 0; rep < REPS; ++rep) {
     if (tid == 0) {
       const unsigned long long target = (unsigned long long)rep * gridDim.x;
@@ -354,7 +330,7 @@ __global__ void __launch_bounds__(THREADS, 1) bench(Args a) {
       asm volatile("red.relaxed.gpu.global.add.u64 [%0], 1;" ::"l"(a.ctr) : "memory");
     }
   }
-  if (blockIdx.x == 0 && tid == 0) *a.elapsed = now() - t0;
+  if (blockIdx.x == 0 && tid == 0) *a.elapsed = mpk::ptx::globaltimer() - t0;
 }
 
 template <int kMethod>

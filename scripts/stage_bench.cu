@@ -30,31 +30,21 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+#include "../src/mpk/backends/cuda/csrc/ptx.cuh"
+
 constexpr int THREADS = 256, PHASES = 500, MAX_BYTES = 96 * 1024, CHUNK = 4096;
 constexpr int LOAD_PAGES = 4, LOAD_PAGE = 16 * 1024;
 constexpr long long LOAD_REGION = 4ll << 20;  // bytes of "weights" a CTA streams, cycled
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+using mpk::ptx::smem_u32;
 __device__ __forceinline__ unsigned long long ld_acquire(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
+  return mpk::ptx::ld_acquire_u64(p);
 }
-__device__ __forceinline__ unsigned long long now() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ void cta_bar() { asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory"); }
-
+__device__ __forceinline__ unsigned long long now() { return mpk::ptx::globaltimer(); }
+__device__ __forceinline__ void cta_bar() { mpk::ptx::named_sync(1, THREADS); }
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done)
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                 " selp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  while (!mpk::ptx::mbar_try_wait(bar, parity)) {
+  }
 }
 
 template <int kMethod>
