@@ -24,6 +24,10 @@
 // from HBM) into a ring of LOAD_PAGES pages, a page reissued as soon as its copy lands. Does a
 // full-rate weight stream on every SM slow the broadcast read of x (perf-log, thirty-first
 // session: the megakernel's b16 input takes ~2x stage_bench's time)?
+// The depth table (thirty-third session): the loader keeps at most `depth` copies in flight
+// (page i waits for page i - depth to land); a phase that reads nothing or 64 KB against it, and
+// the stream's rate. Does a shallower stream keep HBM fed and the consumers' round trips short?
+// Without arguments: the rewrite and depth tables; `/tmp/stb x y` adds the older ones.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/stb scripts/stage_bench.cu && /tmp/stb
 #include <cstdio>
@@ -88,13 +92,17 @@ __device__ __forceinline__ void stage(char* dst, const char* src, int bytes, uin
 // The ninth warp's lane 0 as the runtime's loader: page i of the stream into ring slot
 // i % LOAD_PAGES once the copy that used the slot before has landed, until the consumers finish;
 // then every copy in flight is waited for (none may outlive the CTA).
-__device__ void stream_weights(const char* w, char* ring, unsigned long long* bars,
-                               volatile int* finished) {
+// At most `depth` (<= LOAD_PAGES) copies in flight: page i waits for page i - depth to land.
+__device__ long long stream_weights(const char* w, char* ring, unsigned long long* bars,
+                                    volatile int* finished, int depth) {
   long long i = 0;
   for (; !*finished; ++i) {
     const int slot = (int)(i % LOAD_PAGES);
     const uint32_t bar = smem_u32(bars + slot);
     if (i >= LOAD_PAGES) mbar_wait(bar, (uint32_t)((i / LOAD_PAGES - 1) & 1));
+    if (depth < LOAD_PAGES && i >= depth)
+      mbar_wait(smem_u32(bars + (i - depth) % LOAD_PAGES),
+                (uint32_t)(((i - depth) / LOAD_PAGES) & 1));
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
                  "r"(LOAD_PAGE) : "memory");
     asm volatile(
@@ -104,12 +112,14 @@ __device__ void stream_weights(const char* w, char* ring, unsigned long long* ba
   }
   for (long long j = i > LOAD_PAGES ? i - LOAD_PAGES : 0; j < i; ++j)
     mbar_wait(smem_u32(bars + j % LOAD_PAGES), (uint32_t)((j / LOAD_PAGES) & 1));
+  return i;
 }
 
 template <int kMethod, bool kPoll, bool kLoad = false>
 __global__ void __launch_bounds__(THREADS + 32, 1)
     bench(char* x, unsigned long long* ctr, int bytes, int shared, unsigned long long* elapsed,
-          unsigned* sink, int rewrite, const char* weights) {
+          unsigned* sink, int rewrite, const char* weights, int depth = LOAD_PAGES,
+          unsigned long long* pages = nullptr) {
   extern __shared__ __align__(128) char xs[];
   __shared__ __align__(8) unsigned long long bar;
   __shared__ __align__(8) unsigned long long load_bars[LOAD_PAGES];
@@ -126,8 +136,11 @@ __global__ void __launch_bounds__(THREADS + 32, 1)
   __syncthreads();
   if (tid >= THREADS) {  // the poller, or the loader
     unsigned long long v = 0;
-    if (kLoad && tid == THREADS)
-      stream_weights(weights + blockIdx.x * LOAD_REGION, xs + MAX_BYTES, load_bars, &finished);
+    if (kLoad && tid == THREADS) {
+      const long long n = stream_weights(weights + blockIdx.x * LOAD_REGION, xs + MAX_BYTES,
+                                         load_bars, &finished, depth);
+      if (pages != nullptr) atomicAdd(pages, (unsigned long long)n);
+    }
     else if (kPoll && tid == THREADS)
       while (!finished) v += ld_acquire(ctr + 1 + blockIdx.x);
     if (v == 1) sink[0] = 1;
@@ -172,10 +185,13 @@ __global__ void __launch_bounds__(THREADS + 32, 1)
   if (blockIdx.x == 0 && tid == 0) *elapsed = now() - t0;
 }
 
+double g_stream_tbs = 0;  // the last loaded run's stream rate (all CTAs' pages / its time)
+
 template <int kMethod, bool kPoll = false, bool kLoad = false>
-double run(int bytes, int shared, int ctas, int smem_kb = MAX_BYTES / 1024, int rewrite = 0) {
+double run(int bytes, int shared, int ctas, int smem_kb = MAX_BYTES / 1024, int rewrite = 0,
+           int depth = LOAD_PAGES) {
   char *x, *weights = nullptr;
-  unsigned long long *ctr, *elapsed;
+  unsigned long long *ctr, *elapsed, *pages;
   unsigned* sink;
   if (kLoad) {  // the ring follows the staged bytes
     smem_kb = smem_kb > (MAX_BYTES + LOAD_PAGES * LOAD_PAGE) / 1024
@@ -188,15 +204,19 @@ double run(int bytes, int shared, int ctas, int smem_kb = MAX_BYTES / 1024, int 
   cudaMalloc(&ctr, 8 * (ctas + 1));
   cudaMemset(ctr, 0, 8 * (ctas + 1));
   cudaMalloc(&elapsed, 8);
+  cudaMalloc(&pages, 8);
+  cudaMemset(pages, 0, 8);
   cudaMalloc(&sink, ctas * THREADS * 4);
   auto k = bench<kMethod, kPoll, kLoad>;
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_kb * 1024);
   k<<<ctas, THREADS + 32, smem_kb * 1024>>>(x, ctr, bytes, shared, elapsed, sink, rewrite,
-                                            weights);
+                                            weights, depth, pages);
   const cudaError_t e = cudaDeviceSynchronize();
-  unsigned long long ns = 0;
+  unsigned long long ns = 0, npages = 0;
   cudaMemcpy(&ns, elapsed, 8, cudaMemcpyDeviceToHost);
-  cudaFree(x), cudaFree(ctr), cudaFree(elapsed), cudaFree(sink), cudaFree(weights);
+  cudaMemcpy(&npages, pages, 8, cudaMemcpyDeviceToHost);
+  g_stream_tbs = ns ? npages * (double)LOAD_PAGE / ns / 1e3 : 0;
+  cudaFree(x), cudaFree(ctr), cudaFree(elapsed), cudaFree(sink), cudaFree(weights), cudaFree(pages);
   if (e != cudaSuccess) {
     printf("error: %s\n", cudaGetErrorString(e));
     return -1;
@@ -211,7 +231,7 @@ int main(int argc, char** argv) {
   printf("%8s %7s %8s %8s %8s %11s %11s %10s\n", "bytes", "shared", "cp16", "ldg16", "bulk",
          "cp16+poll", "ldg16+poll", "bulk+poll");
   for (int bytes : {4096, 16384, 32768, 65536, 98304}) {
-    if (argc < 2) break;  // the first table only with an argument (measured in call 5)
+    if (argc < 3) break;  // the first table only with two arguments (measured in call 5)
     for (int shared = 1; shared >= 0; --shared) {
       printf("%8d %7d %8.3f %8.3f %8.3f %11.3f %11.3f %10.3f\n", bytes, shared,
              run<0>(bytes, shared, sms), run<1>(bytes, shared, sms), run<2>(bytes, shared, sms),
@@ -226,6 +246,16 @@ int main(int argc, char** argv) {
       printf("%8d %8d %8.3f %8.3f %8.3f\n", bytes, rw, run<0>(bytes, 1, sms, 96, rw),
              run<1>(bytes, 1, sms, 96, rw), run<2>(bytes, 1, sms, 96, rw));
   printf("no read, rewrite 65536: %.3f\n", run<-1>(65536, 1, sms, 96, 1));
+  printf("\nthe loader's copies in flight (depth pages of 16 KB) against a phase that reads "
+         "nothing / 64 KB (cp16), and the stream's rate:\n%6s %9s %9s %9s\n", "depth",
+         "no read", "64 KB", "TB/s");
+  for (int depth = 1; depth <= LOAD_PAGES; ++depth) {
+    const double none = run<-1, false, true>(4096, 1, sms, 96, 1, depth);
+    const double tbs = g_stream_tbs;
+    printf("%6d %9.3f %9.3f %9.2f\n", depth, none, run<0, false, true>(65536, 1, sms, 96, 1, depth),
+           tbs);
+  }
+  if (argc < 3) return 0;  // the older tables with two arguments
   printf("\nshared, rewrite 1, with the loader streaming (load 1) or not:\n%8s %6s %8s %8s\n",
          "bytes", "load", "cp16", "bulk");
   for (int bytes : {0, 16384, 32768, 65536, 98304}) {
