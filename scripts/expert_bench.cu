@@ -37,13 +37,13 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "../src/mpk/backends/cuda/csrc/ptx.cuh"
+#include "bench.cuh"
 #include "../src/mpk/tasks/common/memory.cuh"
 #include "../src/mpk/tasks/common/reduce.cuh"
 
 constexpr int THREADS = 256, WARPS = THREADS / 32, REPS = 64, LAYERS = 6;
 constexpr int E = 128, H = 2048, I = 768, K = 8, TILES = 16;
-constexpr int DOWN_ROWS = 16;                  // outputs a down task at most (2048 / 132, 8-aligned)
+constexpr int DOWN_ROWS = 16;  // outputs a down task at most (2048 / 132, 8-aligned)
 constexpr int DOWN_SLOT = DOWN_ROWS * I * 2;   // 24 KB: a slot's rows of one down task
 constexpr int GU_ROWS = I / TILES;             // 48 gate (and up) rows a gate_up task
 constexpr int GU_STAGE_ROWS = 8;             // rows of a gate_up ring stage (half of each)
@@ -56,18 +56,15 @@ static const char* kNames[] = {"none", "regs", "cp_all", "bulk_all", "bulk_ring"
 
 using mpk::ptx::smem_u32;
 using mpk::dev::warp_sum;
-// A bulk copy with no L2 cache hint (ptx.cuh's bulk_copy_g2s evicts first, as the loader's).
+// A bulk copy with no L2 cache hint (bench.cuh), on a barrier given by pointer.
 __device__ __forceinline__ void bulk(void* dst, const void* src, int bytes, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+  probe::bulk_copy(smem_u32(dst), src, (uint32_t)bytes, smem_u32(bar));
 }
 __device__ __forceinline__ void expect(uint64_t* bar, int bytes) {
   mpk::ptx::mbar_arrive_expect_tx(smem_u32(bar), (uint32_t)bytes);
 }
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  while (!mpk::ptx::mbar_try_wait(smem_u32(bar), parity)) {
-  }
+  probe::mbar_wait(smem_u32(bar), parity);
 }
 // A ring's stage s (of `stages`) landed: its mbarrier (bulk copies; `par` holds each stage's
 // parity) or this thread's cp.async groups and a barrier.
@@ -117,7 +114,8 @@ __device__ __forceinline__ float down_dot(const __nv_bfloat16* row, const __nv_b
 #pragma unroll
   for (int i = 0; i < I / 256; ++i) {
     const int v = lane + 32 * i;
-    const uint4 w = kGlobal ? mpk::dev::ld_weight_v4(row + v * 8) : *reinterpret_cast<const uint4*>(row + v * 8);
+    const uint4 w = kGlobal ? mpk::dev::ld_weight_v4(row + v * 8)
+                            : *reinterpret_cast<const uint4*>(row + v * 8);
     acc = dot8(w, xj + v * 8, acc);
   }
   return acc;
@@ -142,13 +140,15 @@ __device__ void down_phase(const Args& a, int rep, char* smem, uint64_t* bars, u
       for (int j = 0; j < K; ++j)
 #pragma unroll
         for (int i = 0; i < I / 256; ++i)
-          v[j][i] = mpk::dev::ld_weight_v4(slot_rows(j) + (long long)(n - lo) * I + (lane + 32 * i) * 8);
+          v[j][i] = mpk::dev::ld_weight_v4(slot_rows(j) + (long long)(n - lo) * I +
+                                           (lane + 32 * i) * 8);
       float total = 0.f;
 #pragma unroll
       for (int j = 0; j < K; ++j) {
         float acc = 0.f;
 #pragma unroll
-        for (int i = 0; i < I / 256; ++i) acc = dot8(v[j][i], xs + j * I + (lane + 32 * i) * 8, acc);
+        for (int i = 0; i < I / 256; ++i)
+          acc = dot8(v[j][i], xs + j * I + (lane + 32 * i) * 8, acc);
         total += warp_sum(acc);
       }
       if (lane == 0) out[n - lo] = total;
@@ -159,7 +159,8 @@ __device__ void down_phase(const Args& a, int rep, char* smem, uint64_t* bars, u
     if (kMethod == D_CP_ALL) {
       for (int j = 0; j < K; ++j)
         for (int o = tid * 16; o < slot_bytes; o += THREADS * 16)
-          mpk::dev::cp_async_act16(wbuf + j * DOWN_SLOT + o, reinterpret_cast<const char*>(slot_rows(j)) + o);
+          mpk::dev::cp_async_act16(wbuf + j * DOWN_SLOT + o,
+                                   reinterpret_cast<const char*>(slot_rows(j)) + o);
       mpk::dev::cp_async_commit();
       mpk::dev::cp_async_wait_all();
       __syncthreads();
@@ -201,7 +202,8 @@ __device__ void down_phase(const Args& a, int rep, char* smem, uint64_t* bars, u
   float total[2] = {0.f, 0.f};
   for (int j = 0; j < K; ++j) {
     wait_stage<kMethod == D_BULK_RING>(bars, j, K, par);
-    const __nv_bfloat16* rows = reinterpret_cast<const __nv_bfloat16*>(wbuf + (j % RING) * DOWN_SLOT);
+    const __nv_bfloat16* rows =
+        reinterpret_cast<const __nv_bfloat16*>(wbuf + (j % RING) * DOWN_SLOT);
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       const int n = lo + warp + q * WARPS;
@@ -271,7 +273,8 @@ __device__ void gate_up_phase(const Args& a, int rep, char* smem, uint64_t* bars
     } else {
       for (int q = tid; q < 2 * kMat / 16; q += THREADS) {
         const int m = q / (kMat / 16), r = (q % (kMat / 16)) / (kPiece / 16), c = q % (kPiece / 16);
-        mpk::dev::cp_async_act16(dst + m * kMat + r * kPiece + c * 16, g + (m ? up_off : 0) + (long long)r * H + c * 8);
+        mpk::dev::cp_async_act16(dst + m * kMat + r * kPiece + c * 16,
+                                 g + (m ? up_off : 0) + (long long)r * H + c * 8);
       }
       mpk::dev::cp_async_commit();
     }
@@ -315,20 +318,12 @@ __global__ void __launch_bounds__(THREADS, 1) bench(Args a) {
   uint32_t par = 0;
   const unsigned long long t0 = mpk::ptx::globaltimer();
   for (int rep = 0; rep < REPS; ++rep) {
-    if (tid == 0) {
-      const unsigned long long target = (unsigned long long)rep * gridDim.x;
-      unsigned long long v;
-      do asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(a.ctr) : "memory");
-      while (v < target);
-    }
+    if (tid == 0) probe::wait_phase(a.ctr, rep);
     __syncthreads();
     if (kMethod >= D_REGS && kMethod <= D_CP_RING) down_phase<kMethod>(a, rep, smem, bars, par);
     if (kMethod >= G_REGS4) gate_up_phase<kMethod>(a, rep, smem, bars, par);
     __syncthreads();
-    if (tid == 0) {
-      asm volatile("fence.acq_rel.gpu;" ::: "memory");
-      asm volatile("red.relaxed.gpu.global.add.u64 [%0], 1;" ::"l"(a.ctr) : "memory");
-    }
+    if (tid == 0) probe::signal_phase(a.ctr);
   }
   if (blockIdx.x == 0 && tid == 0) *a.elapsed = mpk::ptx::globaltimer() - t0;
 }

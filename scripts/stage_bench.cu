@@ -34,22 +34,16 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
-#include "../src/mpk/backends/cuda/csrc/ptx.cuh"
+#include "bench.cuh"
 
 constexpr int THREADS = 256, PHASES = 500, MAX_BYTES = 96 * 1024, CHUNK = 4096;
 constexpr int LOAD_PAGES = 4, LOAD_PAGE = 16 * 1024;
 constexpr long long LOAD_REGION = 4ll << 20;  // bytes of "weights" a CTA streams, cycled
 
 using mpk::ptx::smem_u32;
-__device__ __forceinline__ unsigned long long ld_acquire(const unsigned long long* p) {
-  return mpk::ptx::ld_acquire_u64(p);
-}
 __device__ __forceinline__ unsigned long long now() { return mpk::ptx::globaltimer(); }
 __device__ __forceinline__ void cta_bar() { mpk::ptx::named_sync(1, THREADS); }
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  while (!mpk::ptx::mbar_try_wait(bar, parity)) {
-  }
-}
+using probe::mbar_wait;
 
 template <int kMethod>
 __device__ __forceinline__ void stage(char* dst, const char* src, int bytes, uint32_t bar,
@@ -77,13 +71,9 @@ __device__ __forceinline__ void stage(char* dst, const char* src, int bytes, uin
     }
   } else if (kMethod == 2) {
     if (tid == 0) {
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-                   : "memory");
+      mpk::ptx::mbar_arrive_expect_tx(bar, (uint32_t)bytes);
       for (int o = 0; o < bytes; o += CHUNK)
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
-            "[%3];" ::"r"(smem_u32(dst + o)), "l"(src + o), "r"(min(CHUNK, bytes - o)), "r"(bar)
-            : "memory");
+        probe::bulk_copy(smem_u32(dst + o), src + o, (uint32_t)min(CHUNK, bytes - o), bar);
     }
     mbar_wait(bar, phase & 1u);
   }
@@ -103,12 +93,9 @@ __device__ long long stream_weights(const char* w, char* ring, unsigned long lon
     if (depth < LOAD_PAGES && i >= depth)
       mbar_wait(smem_u32(bars + (i - depth) % LOAD_PAGES),
                 (uint32_t)(((i - depth) / LOAD_PAGES) & 1));
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
-                 "r"(LOAD_PAGE) : "memory");
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-        ::"r"(smem_u32(ring + slot * LOAD_PAGE)), "l"(w + (i * LOAD_PAGE) % LOAD_REGION),
-        "r"(LOAD_PAGE), "r"(bar) : "memory");
+    mpk::ptx::mbar_arrive_expect_tx(bar, LOAD_PAGE);
+    probe::bulk_copy(smem_u32(ring + slot * LOAD_PAGE), w + (i * LOAD_PAGE) % LOAD_REGION,
+                     LOAD_PAGE, bar);
   }
   for (long long j = i > LOAD_PAGES ? i - LOAD_PAGES : 0; j < i; ++j)
     mbar_wait(smem_u32(bars + j % LOAD_PAGES), (uint32_t)((j / LOAD_PAGES) & 1));
@@ -126,11 +113,9 @@ __global__ void __launch_bounds__(THREADS + 32, 1)
   __shared__ volatile int finished;
   const int tid = threadIdx.x, ctas = gridDim.x;
   if (tid == 0) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&bar)) : "memory");
-    for (int j = 0; j < LOAD_PAGES; ++j)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(load_bars + j))
-                   : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mpk::ptx::mbar_init(smem_u32(&bar), 1);
+    for (int j = 0; j < LOAD_PAGES; ++j) mpk::ptx::mbar_init(smem_u32(load_bars + j), 1);
+    mpk::ptx::mbar_init_fence();
     finished = 0;
   }
   __syncthreads();
@@ -142,18 +127,14 @@ __global__ void __launch_bounds__(THREADS + 32, 1)
       if (pages != nullptr) atomicAdd(pages, (unsigned long long)n);
     }
     else if (kPoll && tid == THREADS)
-      while (!finished) v += ld_acquire(ctr + 1 + blockIdx.x);
+      while (!finished) v += mpk::ptx::ld_acquire_u64(ctr + 1 + blockIdx.x);
     if (v == 1) sink[0] = 1;
     return;
   }
   const unsigned long long t0 = now();
   unsigned acc = 0;
   for (int p = 0; p < PHASES; ++p) {
-    if (tid == 0) {
-      const unsigned long long target = (unsigned long long)p * ctas;
-      while (ld_acquire(ctr) < target) {
-      }
-    }
+    if (tid == 0) probe::wait_phase(ctr, p);
     cta_bar();
     // The source: this phase's buffer (two, alternating), shared by all CTAs or per CTA.
     char* src = x + ((long long)(p & 1) * (shared ? 1 : ctas) + (shared ? 0 : blockIdx.x)) *
@@ -174,10 +155,7 @@ __global__ void __launch_bounds__(THREADS + 32, 1)
       *reinterpret_cast<unsigned*>(next + o) = acc;
     }
     cta_bar();
-    if (tid == 0) {
-      asm volatile("fence.acq_rel.gpu;" ::: "memory");
-      asm volatile("red.relaxed.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
-    }
+    if (tid == 0) probe::signal_phase(ctr);
   }
   sink[blockIdx.x * THREADS + tid] = acc;
   cta_bar();
