@@ -1,6 +1,7 @@
-// What standalone benches share (stage_bench.cu, expert_bench.cu), on top of the runtime's ptx.cuh: a
-// blocking mbarrier wait, a bulk copy with no L2 hint, and the grid phases' counter (every CTA
-// waits for the others' previous phase, then signals its own, as the megakernel's tasks do).
+// What standalone benches share (stage_bench.cu, expert_bench.cu), on top of the runtime's
+// ptx.cuh: a blocking mbarrier wait, a bulk copy with no L2 hint, and the grid phases' counter
+// (every CTA waits for the others' previous phase, then signals its own, as the megakernel's
+// tasks do).
 #pragma once
 #include <stdint.h>
 
