@@ -292,6 +292,16 @@ __device__ __forceinline__ void drain(Shared& sh, uint32_t seq, long long limit)
     wait_or_trap(ptx::smem_u32(&sh.bars.full[s % NUM_PAGES]), (s / NUM_PAGES) & 1u, limit);
 }
 
+// The loader keeps at most this many pages in flight: page seq is issued once page seq - 2 has
+// landed. A whole free ring requested at once (up to 128 KB a SM after a phase that streams
+// nothing) queues every L2 round trip of the SM's consumers behind it: with every SM streaming,
+// stage_bench's depth table gives a phase that reads nothing 2.3 / 3.5 / 6.6 / 8.5 us at 1 / 2 /
+// 3 / 4 pages in flight, the stream 2.64 / 2.87 / 3.04 / 3.06 TB/s (H100). Against an uncapped
+// ring (H100, perf-log thirty-fourth session) 2 gave qwen3-30b-a3b b1 -3.7%, llama-3.2-1b b1
+// -7%, qwen3-8b b1 -2.3%, qwen3-0.6b b1 -1.5 to -3.7%, its b8 / b16 0 to +1.6%; 3 was better on
+// the dense b1 steps by 0.4-2% and worse at b16 (+2%) and on the MoE step (+1.8%).
+inline constexpr uint32_t LOADER_PAGES_IN_FLIGHT = 2;
+
 __device__ __forceinline__ void loader(const Params& p, Shared& sh, uint32_t ring,
                                        int total) {
   const uint64_t policy = ptx::l2_evict_first_policy();
@@ -315,6 +325,14 @@ __device__ __forceinline__ void loader(const Params& p, Shared& sh, uint32_t rin
     for (int r = 0; r < REC_MAX_RUNS; ++r) {
       for (int c = 0; c < counts[r]; ++c, ++seq) {
         const uint32_t ps = seq % NUM_PAGES, pround = seq / NUM_PAGES;
+        if (LOADER_PAGES_IN_FLIGHT < NUM_PAGES && seq >= LOADER_PAGES_IN_FLIGHT) {
+          // back's slot is next used by page back + NUM_PAGES > seq, which only this loop
+          // issues: its full barrier cannot be past back's phase yet.
+          const uint32_t back = seq - LOADER_PAGES_IN_FLIGHT;
+          if (!wait_unless_gone(ptx::smem_u32(&sh.bars.full[back % NUM_PAGES]),
+                                (back / NUM_PAGES) & 1u, &sh.consumers_gone))
+            return drain(sh, seq, p.timeout_ns);
+        }
         if (!wait_unless_gone(ptx::smem_u32(&sh.bars.empty[ps]), (pround & 1u) ^ 1u,
                               &sh.consumers_gone))
           return drain(sh, seq, p.timeout_ns);
