@@ -292,8 +292,9 @@ __device__ __forceinline__ void drain(Shared& sh, uint32_t seq, long long limit)
     wait_or_trap(ptx::smem_u32(&sh.bars.full[s % NUM_PAGES]), (s / NUM_PAGES) & 1u, limit);
 }
 
-// The loader keeps at most this many pages in flight: page seq is issued once page seq - 2 has
-// landed. A whole free ring requested at once (up to 128 KB a SM after a phase that streams
+// The loader keeps at most this many pages in flight: page seq is issued once page
+// seq - LOADER_PAGES_IN_FLIGHT has landed (landing needs nothing of the consumers: no deadlock).
+// A whole free ring requested at once (up to NUM_PAGES x 16 KB a SM after a phase that streams
 // nothing) queues every L2 round trip of the SM's consumers behind it: with every SM streaming,
 // stage_bench's depth table gives a phase that reads nothing 2.3 / 3.5 / 6.6 / 8.5 us at 1 / 2 /
 // 3 / 4 pages in flight, the stream 2.64 / 2.87 / 3.04 / 3.06 TB/s (H100). Against an uncapped
