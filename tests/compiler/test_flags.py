@@ -121,6 +121,28 @@ def test_tensors_touched_by_kinds_without_the_flagged_form_stay_plain(preset: st
     assert "hidden" not in flagged  # the router and expert kinds read / write it plainly
 
 
+@pytest.mark.parametrize("batch", [1, 4])
+def test_the_router_polls_its_gate_logits(batch: int) -> None:
+    cfg, plan = _plan("tiny-qwen3-moe", batch=batch)
+    flagged = {t.name for t in plan.tensors if t.flagged}
+    moe_layers = [i for i in range(cfg.num_layers) if f"layers.{i}.router_logits" in
+                  {t.name for t in plan.tensors}]
+    assert moe_layers
+    for layer in moe_layers:
+        p = f"layers.{layer}."
+        assert p + "router_logits" in flagged
+        assert _entries(plan, p + "router") == {"logits": (1, 0)}
+        assert _entries(plan, p + "router_gate")["out"] == (1, 0)
+        for rec in _records_by_op(plan)[p + "router"]:
+            waits = record.decode_waits(rec)
+            word = int(rec[record.POLLED])
+            assert word & record.POLLS  # the storer watches the poll
+            mask = word & ~record.POLLS
+            # One row: the router sees every word each gate task wrote, so its wait on the gate
+            # goes; a row of several sees only its own row of each task's columns: counted.
+            assert mask == ((1 << len(waits)) - 1 if batch == 1 else 0), (waits, mask)
+
+
 def test_tensor_parallel_ranks_keep_the_residual_plain() -> None:
     plan = rank_plans(get_preset("tiny-qwen3"), DecodeShape(batch=1), 2, num_sms=NUM_SMS)[0]
     flagged = {t.name for t in plan.tensors if t.flagged}
