@@ -8,9 +8,9 @@
 // 1. Warp 0: lane l keeps the probabilities of experts e = l + 32 i in registers (kPer slots, a
 //    compile-time count, so no array is indexed at run time), all its logits loaded before any
 //    is used (an activation: L2-coherent loads; flagged logits, common/flags.cuh: word e / 2,
-//    half e & 1, each word polled until it carries its epoch). Max, exp, sum (each lane's experts in order,
-//    then the warp's butterfly), probabilities as torch's CPU softmax (p = e * (1 / sum)), each
-//    stored as its order-preserving key (dev::ordered_key).
+//    half e & 1, each word polled until it carries its epoch). Max, exp, sum (each lane's
+//    experts in order, then the warp's butterfly), probabilities as torch's CPU softmax (p = e *
+//    (1 / sum)), each stored as its order-preserving key (dev::ordered_key).
 // 2. Every thread: the rank of an expert e is the number of experts whose key is larger, or
 //    equal with a lower id (the (probability, lower id first) order of dev::argmax_key); ranks
 //    below K are the slots. All ranks at once: the K rounds of a warp argmax this replaces were
