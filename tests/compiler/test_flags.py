@@ -114,11 +114,34 @@ def test_epoch_is_never_zero_nor_all_ones() -> None:
         flags.encode_entry(0, 4, 4)
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3-moe"])
-def test_tensors_touched_by_kinds_without_the_flagged_form_stay_plain(preset: str) -> None:
-    _, plan = _plan(preset)
+def test_tensors_touched_by_kinds_without_the_flagged_form_stay_plain() -> None:
+    _, plan = _plan("tiny-qwen3-moe")
     flagged = {t.name for t in plan.tensors if t.flagged}
-    assert "hidden" not in flagged  # the router and expert kinds read / write it plainly
+    # moe_gate_up reads the norm's output and writes the experts' activations plainly; the ids
+    # are int32 (the flagged form is bf16 pairs)
+    for name in ("mlp_norm", "expert_act", "expert_ids", "expert_weights"):
+        assert f"layers.0.{name}" not in flagged, name
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_moe_plans_flag_the_residual_stream(batch: int) -> None:
+    """rmsnorm polls a flagged x and moe_down polls its residual and writes whole words, so a
+    MoE plan's hidden is flagged like a dense one's: the post-attention norm stops waiting on
+    o_proj's counter, the next layer's qkv on moe_down's (a reader that sees every word each
+    counted task wrote; rmsnorm and qkv read whole rows)."""
+    cfg, plan = _plan("tiny-qwen3-moe", batch=batch)
+    assert "hidden" in {t.name for t in plan.tensors if t.flagged}
+    recs = _records_by_op(plan)
+    assert _entries(plan, "layers.0.post_norm") == {"x": _entries(plan, "layers.0.o_proj")["out"]}
+    down = _entries(plan, "layers.0.experts_down")
+    assert down["residual"] == _entries(plan, "layers.0.o_proj")["out"]
+    assert _entries(plan, "layers.1.qkv")["x"] == down["out"]
+    for name in ("layers.0.post_norm", "layers.1.qkv"):
+        for rec in recs[name]:
+            waits = record.decode_waits(rec)
+            mask = int(rec[record.POLLED]) & ~record.POLLS
+            same_step = [w for w, (_, _, prev) in enumerate(waits) if not prev]
+            assert same_step and all(mask >> w & 1 for w in same_step), (name, waits, mask)
 
 
 @pytest.mark.parametrize("batch", [1, 4])
