@@ -11,10 +11,13 @@ from mpk.compiler.deps import find_edges
 from mpk.compiler.fuse import fuse
 from mpk.compiler.lower import compile_graph
 from mpk.compiler.tiling import tile_graph
+from mpk.dtypes import DType
+from mpk.graph.graph import Graph
 from mpk.models.builder import DecodeShape, build_graph
 from mpk.models.config import get_preset
 from mpk.parallel import rank_plans
 from mpk.tasks.registry import get_kind
+from mpk.tensors import Role
 
 NUM_SMS = 16
 
@@ -125,8 +128,8 @@ def test_tensors_touched_by_kinds_without_the_flagged_form_stay_plain() -> None:
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_moe_plans_flag_the_residual_stream(batch: int) -> None:
-    """rmsnorm polls a flagged x and moe_down polls its residual and writes whole words, so a
-    MoE plan's hidden is flagged like a dense one's: the post-attention norm stops waiting on
+    """rmsnorm polls a flagged x (up to 8 KB: qwen3-30b-a3b at batch 1-2) and moe_down polls
+    its residual and writes whole words, so a MoE plan's hidden is flagged like a dense one's: the post-attention norm stops waiting on
     o_proj's counter, the next layer's qkv on moe_down's (a reader that sees every word each
     counted task wrote; rmsnorm and qkv read whole rows)."""
     cfg, plan = _plan("tiny-qwen3-moe", batch=batch)
@@ -164,6 +167,20 @@ def test_the_router_polls_its_gate_logits(batch: int) -> None:
             # One row: the router sees every word each gate task wrote, so its wait on the gate
             # goes; a row of several sees only its own row of each task's columns: counted.
             assert mask == ((1 << len(waits)) - 1 if batch == 1 else 0), (waits, mask)
+
+
+@pytest.mark.parametrize(("rows", "hidden", "polled"),
+                         [(1, 2048, True), (2, 2048, True), (3, 2048, False), (1, 60, False)])
+def test_rmsnorm_polls_only_an_x_of_two_vectors_a_thread(rows: int, hidden: int,
+                                                          polled: bool) -> None:
+    graph = Graph()
+    graph.add_tensor("x", (rows, hidden), DType.BF16, Role.ACTIVATION)
+    graph.add_tensor("w", (hidden,), DType.BF16, Role.WEIGHT)
+    graph.add_tensor("y", (rows, hidden), DType.BF16, Role.ACTIVATION)
+    graph.add_op("rmsnorm", "norm", (1,), {"x": "x", "weight": "w", "out": "y"})
+    (op,) = tile_graph(graph)
+    assert get_kind("rmsnorm").flag_operands(op.view) == (frozenset({"x"}) if polled
+                                                          else frozenset())
 
 
 def test_tensor_parallel_ranks_keep_the_residual_plain() -> None:
