@@ -11,10 +11,13 @@ from mpk.compiler.deps import find_edges
 from mpk.compiler.fuse import fuse
 from mpk.compiler.lower import compile_graph
 from mpk.compiler.tiling import tile_graph
+from mpk.dtypes import DType
+from mpk.graph.graph import Graph
 from mpk.models.builder import DecodeShape, build_graph
 from mpk.models.config import get_preset
 from mpk.parallel import rank_plans
 from mpk.tasks.registry import get_kind
+from mpk.tensors import Role
 
 NUM_SMS = 16
 
@@ -114,11 +117,70 @@ def test_epoch_is_never_zero_nor_all_ones() -> None:
         flags.encode_entry(0, 4, 4)
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3-moe"])
-def test_tensors_touched_by_kinds_without_the_flagged_form_stay_plain(preset: str) -> None:
-    _, plan = _plan(preset)
+def test_tensors_touched_by_kinds_without_the_flagged_form_stay_plain() -> None:
+    _, plan = _plan("tiny-qwen3-moe")
     flagged = {t.name for t in plan.tensors if t.flagged}
-    assert "hidden" not in flagged  # the router and expert kinds read / write it plainly
+    # moe_gate_up reads the norm's output and writes the experts' activations plainly; the ids
+    # are int32 (the flagged form is bf16 pairs)
+    for name in ("mlp_norm", "expert_act", "expert_ids", "expert_weights"):
+        assert f"layers.0.{name}" not in flagged, name
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_moe_plans_flag_the_residual_stream(batch: int) -> None:
+    """rmsnorm polls a flagged x (up to 8 KB: qwen3-30b-a3b at batch 1-2) and moe_down polls
+    its residual and writes whole words, so a MoE plan's hidden is flagged like a dense one's: the post-attention norm stops waiting on
+    o_proj's counter, the next layer's qkv on moe_down's (a reader that sees every word each
+    counted task wrote; rmsnorm and qkv read whole rows)."""
+    cfg, plan = _plan("tiny-qwen3-moe", batch=batch)
+    assert "hidden" in {t.name for t in plan.tensors if t.flagged}
+    recs = _records_by_op(plan)
+    assert _entries(plan, "layers.0.post_norm") == {"x": _entries(plan, "layers.0.o_proj")["out"]}
+    down = _entries(plan, "layers.0.experts_down")
+    assert down["residual"] == _entries(plan, "layers.0.o_proj")["out"]
+    assert _entries(plan, "layers.1.qkv")["x"] == down["out"]
+    for name in ("layers.0.post_norm", "layers.1.qkv"):
+        for rec in recs[name]:
+            waits = record.decode_waits(rec)
+            mask = int(rec[record.POLLED]) & ~record.POLLS
+            same_step = [w for w, (_, _, prev) in enumerate(waits) if not prev]
+            assert same_step and all(mask >> w & 1 for w in same_step), (name, waits, mask)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_the_router_polls_its_gate_logits(batch: int) -> None:
+    cfg, plan = _plan("tiny-qwen3-moe", batch=batch)
+    flagged = {t.name for t in plan.tensors if t.flagged}
+    moe_layers = [i for i in range(cfg.num_layers) if f"layers.{i}.router_logits" in
+                  {t.name for t in plan.tensors}]
+    assert moe_layers
+    for layer in moe_layers:
+        p = f"layers.{layer}."
+        assert p + "router_logits" in flagged
+        assert _entries(plan, p + "router") == {"logits": (1, 0)}
+        assert _entries(plan, p + "router_gate")["out"] == (1, 0)
+        for rec in _records_by_op(plan)[p + "router"]:
+            waits = record.decode_waits(rec)
+            word = int(rec[record.POLLED])
+            assert word & record.POLLS  # the storer watches the poll
+            mask = word & ~record.POLLS
+            # One row: the router sees every word each gate task wrote, so its wait on the gate
+            # goes; a row of several sees only its own row of each task's columns: counted.
+            assert mask == ((1 << len(waits)) - 1 if batch == 1 else 0), (waits, mask)
+
+
+@pytest.mark.parametrize(("rows", "hidden", "polled"),
+                         [(1, 2048, True), (2, 2048, True), (3, 2048, False), (1, 60, False)])
+def test_rmsnorm_polls_only_an_x_of_two_vectors_a_thread(rows: int, hidden: int,
+                                                          polled: bool) -> None:
+    graph = Graph()
+    graph.add_tensor("x", (rows, hidden), DType.BF16, Role.ACTIVATION)
+    graph.add_tensor("w", (hidden,), DType.BF16, Role.WEIGHT)
+    graph.add_tensor("y", (rows, hidden), DType.BF16, Role.ACTIVATION)
+    graph.add_op("rmsnorm", "norm", (1,), {"x": "x", "weight": "w", "out": "y"})
+    (op,) = tile_graph(graph)
+    assert get_kind("rmsnorm").flag_operands(op.view) == (frozenset({"x"}) if polled
+                                                          else frozenset())
 
 
 def test_tensor_parallel_ranks_keep_the_residual_plain() -> None:

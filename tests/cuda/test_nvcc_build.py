@@ -120,14 +120,16 @@ def test_prefill_plan_kinds_compile_clean(cache_root: Path) -> None:
     session: a row must sum its units in the same order at every batch), 48 / 64 with its
     prologue in wide plans, 64 / 80 since a flagged input is polled four vectors a thread in
     flight (twenty-ninth session; this build keeps every kind's flagged paths, a prefill plan's
-    own build folds them away). Every model's prefill plan has exactly these kinds."""
+    own build folds them away): 512 B stored / 736 reloaded in all; since rmsnorm polls a
+    flagged x (thirty-fourth session, a path no prefill plan keeps) 516 / 756, the kernel body's
+    share reshuffled. Every model's prefill plan has exactly these kinds."""
     graph = build_prefill_graph(get_preset("tiny-qwen3"), PrefillShape(chunk=64), num_sms=4)
     kinds = sorted({op.kind for op in graph.ops})
     assert set(PREFILL_KINDS) <= set(kinds)
     result = build.compile_source(codegen.render_kinds(kinds), arch="sm_90a",
                                   cache_root=cache_root)
     assert "C7510" not in result.log, "ptxas serialized wgmma (a pipeline crosses a call)"
-    assert_clean(result, cold_spill_bytes=520, cold_reload_bytes=740)
+    assert_clean(result, cold_spill_bytes=520, cold_reload_bytes=760)
 
 
 def test_broken_source_raises_compile_error(cache_root: Path) -> None:

@@ -58,6 +58,20 @@ def test_bind_write_read_and_poison() -> None:
     assert torch.equal(ex.read("a"), chain_expected(fresh_a(), TILES, 2))
 
 
+def test_bind_copies_a_view_off_a_16_byte_boundary() -> None:
+    """The kinds' 16-byte vector paths need aligned bound operands (rmsnorm with a flagged x
+    has no other path): such a view is copied, and the kernel runs on the copy."""
+    ex = executor(chain_plan(N, TILES, 8))
+    view = torch.zeros(N + 1, dtype=torch.int32, device="cuda")[1:]
+    assert view.data_ptr() % 16 and view.is_contiguous()
+    view.copy_(fresh_a())
+    ex.bind("a", view)
+    assert ex.tensor("a").data_ptr() % 16 == 0
+    ex.run(2)
+    assert torch.equal(ex.read("a"), chain_expected(fresh_a(), TILES, 2))
+    assert torch.equal(view.cpu(), fresh_a())  # the caller's view is left as it was
+
+
 def test_watchdog_names_the_stuck_task_and_the_gpu_survives() -> None:
     plan = chain_plan(N, TILES, 32)
     task = TILES + 3  # inc1[3]: make its wait impossible to satisfy

@@ -254,7 +254,8 @@ class TaskKind:
         operand's flag entry names; writes store whole bf16 pairs with their epoch, each computed
         from (so after) the task's reads of its whole inputs: a consumer that saw any output word
         may then overwrite those inputs. (A word read and rewritten in place, the residual, is
-        read by the thread that writes it.) A task polls every word of its flagged reads on
+        read by the thread that writes it, or before a task barrier in front of its store:
+        moe_down.) A task polls every word of its flagged reads on
         every path, even one that computes nothing: the compiler lets its counter waits go
         (record.POLLED) on the strength of those polls. Default: none."""
         return frozenset()

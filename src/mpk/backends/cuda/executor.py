@@ -126,6 +126,11 @@ class CudaExecutor:
         if tensor.device != self.device or not tensor.is_contiguous():
             # A copy: the kernel reads and writes this device copy, not the caller's tensor.
             tensor = tensor.detach().to(self.device).contiguous()
+        if tensor.data_ptr() % 16:
+            # The kinds' 16-byte vector paths need their bound operands aligned (rmsnorm with a
+            # flagged x has no other path): a view off a 16-byte boundary is copied (fresh
+            # allocations are aligned), and, as above, the kernel then uses the copy.
+            tensor = tensor.detach().clone()
         self._bound[tid] = tensor
         self._generation[tid] = self._generation.get(tid, 0) + 1  # streams built from it go stale
         self._ptr_table = None

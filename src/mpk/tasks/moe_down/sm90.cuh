@@ -6,9 +6,14 @@
 // (operand = tensor start); residual and out [B, H] are addressed from their bases (element
 // (b, n) at + b*H + n). out may be the residual tensor itself: each element is read and then
 // written by the same warp (its value reaches the writing lane by a shuffle), and only this
-// task's range is touched.
-// Shared scratch (task.py HEADER_BYTES + one row's K activations): [ids: B*K i32]
-// [weights: B*K f32] ... at HEADER_BYTES: [xs: K x I bf16, batch row b's expert activations].
+// task's range is touched. Flagged residual / out (common/flags.cuh): word (b*H + n) / 2 holds
+// columns n, n + 1 (n even) and its epoch. The residual's words are polled (long since written
+// by o_proj); a flagged out is gathered in ys and stored as whole words once every row's range
+// is done (the warps that compute a word's two columns differ; the stores follow all the task's
+// reads, as compiler/flags.py's contract asks).
+// Shared scratch (task.py scratch_bytes): [ids: B*K i32] [weights: B*K f32] ... at HEADER_BYTES:
+// [xs: K x I bf16, batch row b's expert activations] [ys: B x (hi - lo) outputs, bf16, at a
+// 16-byte boundary].
 //
 // Per batch row b: its K activation rows are staged (cp.async, L2; row 0's before the ids are
 // read), then warp w takes outputs n = lo + w, lo + w + 8, ... For one output the slots are
@@ -24,6 +29,7 @@
 #include <stdint.h>
 
 #include "../common/bf16.cuh"
+#include "../common/flags.cuh"
 #include "../common/memory.cuh"
 #include "../common/reduce.cuh"
 #include "../common/split.cuh"
@@ -142,22 +148,56 @@ __device__ __forceinline__ float output(const Row& r, int n, int lane) {
   return total;
 }
 
-// This warp's outputs n = n0, n0 + kWarps, ... < hi of batch row b. The residuals of its first
-// 32 outputs are loaded first (lane i: output i), so their L2 round trips run under the weight
-// loads instead of after each output's sum. (Also keeping the next output's weights in flight
-// under a sum, 96 registers across the loop, spilled 436 B in the qwen3-30b-a3b build.)
-__device__ __forceinline__ void outputs(const Row& r, const bf16* res, bf16* out, int b, int n0,
-                                        int hi, int lane) {
+// residual and out, plain (ep 0) or flagged (common/flags.cuh), addressed from their bases.
+struct Hidden {
+  const bf16* res;
+  bf16* out;
+  uint32_t res_ep, out_ep;
+};
+
+// The residual's element `at` (b*H + n), polled from its word when flagged.
+__device__ __forceinline__ float residual_at(const Hidden& h, long long at) {
+  if (h.res_ep == 0u) return dev::ld_act_bf16f(h.res + at);
+  const dev::flag_word* w = reinterpret_cast<const dev::flag_word*>(h.res) + at / 2;
+  const uint32_t pair = dev::poll_word(w, dev::ld_flag(w), h.res_ep, dev::Poll{});
+  return (at & 1) ? dev::bf16hi(pair) : dev::bf16lo(pair);
+}
+
+// This warp's outputs n = n0, n0 + kWarps, ... < hi of batch row b (into ys at n - lo when out
+// is flagged: ys is row b's part). The residuals of its first 32 outputs are loaded first (lane
+// i: output i), so their L2 round trips run under the weight loads instead of after each
+// output's sum. (Also keeping the next output's weights in flight under a sum, 96 registers
+// across the loop, spilled 436 B in the qwen3-30b-a3b build.)
+__device__ __forceinline__ void outputs(const Row& r, const Hidden& h, bf16* ys, int b, int n0,
+                                        int lo, int hi, int lane) {
   const long long row = (long long)b * r.H;
   const int own = n0 + kWarps * lane;
-  const float resid_mine = own < hi ? dev::ld_act_bf16f(res + row + own) : 0.f;
+  const float resid_mine = own < hi ? residual_at(h, row + own) : 0.f;
   int i = 0;
 #pragma unroll 1
   for (int n = n0; n < hi; n += kWarps, ++i) {
     const float total = output(r, n, lane);
     const float resid = i < 32 ? __shfl_sync(0xffffffffu, resid_mine, i)
-                               : dev::ld_act_bf16f(res + row + n);
-    if (lane == 0) out[row + n] = dev::to_bf16(__fadd_rn(resid, dev::round_bf16(total)));
+                               : residual_at(h, row + n);
+    if (lane == 0) {
+      const bf16 y = dev::to_bf16(__fadd_rn(resid, dev::round_bf16(total)));
+      if (h.out_ep == 0u) h.out[row + n] = y;
+      else ys[n - lo] = y;
+    }
+  }
+}
+
+// A flagged out: every row's range [lo, hi) from ys as whole words (H, lo, hi even), once every
+// warp's outputs are in (the caller's barrier).
+__device__ __forceinline__ void store_words(const Hidden& h, const bf16* ys, int B, int H, int lo,
+                                            int hi) {
+  const int per = (hi - lo) / 2;  // words a row
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(ys);
+  dev::flag_word* words = reinterpret_cast<dev::flag_word*>(h.out);
+  for (int t = threadIdx.x; t < B * per; t += NUM_THREADS) {
+    const int b = t / per, c = t - b * per;
+    dev::st_flag(words + ((long long)b * H + lo) / 2 + c,
+                 dev::make_flag_word(pairs[t], h.out_ep));
   }
 }
 
@@ -179,8 +219,9 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   const bf16* gws = a.operand<const bf16>(O_EXPERT_WEIGHTS);
   const bf16* x = a.operand<const bf16>(O_X);
   const bf16* weight = a.operand<const bf16>(O_WEIGHT);
-  const bf16* res = reinterpret_cast<const bf16*>(a.base[O_RESIDUAL]);
-  bf16* out = reinterpret_cast<bf16*>(a.base[O_OUT]);
+  const Hidden hid{reinterpret_cast<const bf16*>(a.base[O_RESIDUAL]),
+                   reinterpret_cast<bf16*>(a.base[O_OUT]), dev::flag_epoch<FLAGGED>(a, O_RESIDUAL),
+                   dev::flag_epoch<FLAGGED>(a, O_OUT)};
   // Nothing below reads `a`: its slot pointer is one of the values the all-kinds build keeps in
   // local memory, and every late read of it is a reload (ptxas spill loads).
   const int BK = B * K, tid = threadIdx.x, lane = tid & 31;
@@ -188,6 +229,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   float* ws = reinterpret_cast<float*>(ids + BK);
   bf16* xs = reinterpret_cast<bf16*>(a.smem + kHeader);
   const int kvpr = K * I / 8;  // 16-byte vectors of one row's K activations
+  bf16* ys = reinterpret_cast<bf16*>(a.smem + kHeader + ((K * I * 2 + 15) & ~15));
   // Row 0's activations are asked for before the ids and routing weights: a thread's store of
   // an id waits for its load, which would hold its copies back by one L2 round trip.
   stage_row(xs, x, 0, kvpr);
@@ -206,7 +248,11 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
     mpk::task_sync();  // also publishes ids / ws (first row)
     r.ids = ids + b * K;
     r.ws = ws + b * K;
-    outputs(r, res, out, b, lo + (tid >> 5), hi, lane);
+    outputs(r, hid, ys + b * (hi - lo), b, lo + (tid >> 5), lo, hi, lane);
+  }
+  if (hid.out_ep != 0u) {
+    mpk::task_sync();  // every warp's outputs of every row are in ys
+    store_words(hid, ys, B, H, lo, hi);
   }
 }
 

@@ -44,6 +44,9 @@ from mpk.tasks.numerics import bf16
 from mpk.tasks.registry import register
 
 ALIGN = 8
+# The largest [B, H] this kind reserves a flagged out's shared-memory gather for (sm90.cuh ys):
+# compiler/flags.py flags nothing larger (FLAG_MAX_BYTES), so a larger one costs no scratch.
+FLAGGED_MAX_BYTES = 32 * 1024
 X_BUDGET = 64 * 1024  # shared memory for one batch row's K staged expert activations (bytes)
 HEADER_BYTES = 2048  # sm90.cuh: the staged ids and weights (B x K each)
 
@@ -107,8 +110,19 @@ class MoeDown(TaskKind):
                 "num_experts": experts, "tasks": op.grid[0]}
 
     def scratch_bytes(self, op: OpView) -> int:
-        _, top_k, inter = op.shape("x")
-        return HEADER_BYTES + 2 * top_k * inter
+        # sm90.cuh: the header, one row's K activation rows, then (a flagged out) every row's
+        # range of outputs at a 16-byte boundary: at most ALIGN x ceil(units / tasks) a row
+        batch, top_k, inter = op.shape("x")
+        units = -(-op.shape("weight")[1] // ALIGN)
+        ys = 2 * batch * ALIGN * -(-units // op.grid[0]) if _flaggable(op) else 0
+        return HEADER_BYTES + -(-2 * top_k * inter // 16) * 16 + ys
+
+    def flag_operands(self, op: OpView) -> frozenset[str]:
+        # sm90.cuh: the residual's words are polled; out's are stored whole from ys once every
+        # row's range is done, after every read of the task's inputs (x, the routing and the
+        # residual words, read before the barrier in front of the stores). Only where
+        # scratch_bytes reserved ys.
+        return frozenset({"residual", "out"}) if _flaggable(op) else frozenset()
 
     def reference(self, tile: Tile) -> None:
         weight = tile["weight"]  # whole [E, H, I]
@@ -133,3 +147,8 @@ class MoeDown(TaskKind):
         return TaskCost(weight_bytes=round(distinct * 2 * rows * inter),
                         act_bytes=2 * batch * top_k * inter + 4 * batch * rows,
                         flops=2 * batch * top_k * rows * inter)
+
+
+def _flaggable(op: OpView) -> bool:
+    batch, hidden = op.shape("residual")
+    return 2 * batch * hidden <= FLAGGED_MAX_BYTES and hidden % 2 == 0

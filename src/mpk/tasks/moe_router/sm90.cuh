@@ -7,9 +7,10 @@
 //
 // 1. Warp 0: lane l keeps the probabilities of experts e = l + 32 i in registers (kPer slots, a
 //    compile-time count, so no array is indexed at run time), all its logits loaded before any
-//    is used (an activation: L2-coherent loads). Max, exp, sum (each lane's experts in order,
-//    then the warp's butterfly), probabilities as torch's CPU softmax (p = e * (1 / sum)), each
-//    stored as its order-preserving key (dev::ordered_key).
+//    is used (an activation: L2-coherent loads; flagged logits, common/flags.cuh: word e / 2,
+//    half e & 1, each word polled until it carries its epoch). Max, exp, sum (each lane's
+//    experts in order, then the warp's butterfly), probabilities as torch's CPU softmax (p = e *
+//    (1 / sum)), each stored as its order-preserving key (dev::ordered_key).
 // 2. Every thread: the rank of an expert e is the number of experts whose key is larger, or
 //    equal with a lower id (the (probability, lower id first) order of dev::argmax_key); ranks
 //    below K are the slots. All ranks at once: the K rounds of a warp argmax this replaces were
@@ -22,6 +23,7 @@
 #include <stdint.h>
 
 #include "../common/bf16.cuh"
+#include "../common/flags.cuh"
 #include "../common/memory.cuh"
 #include "../common/reduce.cuh"
 #include "../common/sampling.cuh"
@@ -59,6 +61,37 @@ __device__ __forceinline__ void softmax_keys(float (&prob)[kPer], int E, int E4,
   }
 }
 
+// Step 1's loads: this lane's logits (experts lane + 32 i) as raw bf16 bits, all in flight
+// before any is used. Flagged (ep != 0): expert e is half e & 1 of word e / 2, and every word of
+// the row is polled (lanes 2m and 2m + 1 both poll word m) until it carries epoch ep.
+__device__ __forceinline__ void load_logits(const mpk::TaskArgs& a, int E, int lane, uint32_t ep,
+                                            unsigned (&raw)[kPer]) {
+  if (ep == 0u) {
+    const bf16* logits = a.operand<const bf16>(O_LOGITS);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i)
+      raw[i] = lane + 32 * i < E ? dev::ld_act_u16(logits + lane + 32 * i) : 0u;
+    return;
+  }
+  const dev::flag_word* words = dev::flag_operand<const dev::flag_word>(a, O_LOGITS);
+  dev::flag_word w[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = lane + 32 * i;
+    w[i] = e < E ? dev::ld_flag(words + e / 2) : 0ull;
+  }
+  const dev::Poll poll;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = lane + 32 * i;
+    raw[i] = 0u;
+    if (e < E) {
+      const uint32_t pair = dev::poll_word(words + e / 2, w[i], ep, poll);
+      raw[i] = (e & 1) ? pair >> 16 : pair & 0xffffu;
+    }
+  }
+}
+
 // Step 2 for expert e: its rank among the E4 (padded) keys; slots below K are written.
 __device__ __forceinline__ void rank_expert(const unsigned* keys, int E4, int K, int e,
                                             float* top_p, int* top_id) {
@@ -90,12 +123,9 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   int* top_id = reinterpret_cast<int*>(top_p + kMaxTopK);
   const int tid = threadIdx.x, lane = tid & 31;
   if (tid < 32) {  // 1.
-    const bf16* logits = a.operand<const bf16>(O_LOGITS);
     float prob[kPer];
     unsigned raw[kPer];
-#pragma unroll
-    for (int i = 0; i < kPer; ++i)  // every load issued before any is used
-      raw[i] = lane + 32 * i < E ? dev::ld_act_u16(logits + lane + 32 * i) : 0u;
+    load_logits(a, E, lane, dev::flag_epoch<FLAGGED>(a, O_LOGITS), raw);
 #pragma unroll
     for (int i = 0; i < kPer; ++i) prob[i] = __uint_as_float(raw[i] << 16);
     softmax_keys(prob, E, E4, lane, keys);

@@ -74,6 +74,12 @@ class MoeRouter(TaskKind):
                        ) -> dict[str, int]:
         return {"ROUTER_EXPERTS_PER_LANE": -(-op.shape("logits")[1] // 32)}
 
+    def flag_operands(self, op: OpView) -> frozenset[str]:
+        # Warp 0 polls every word of its row's logits (sm90.cuh step 1), on every path: the
+        # router gate (a linear) writes them as flagged words, so the router starts as soon
+        # as the gate's last store lands, without the gate's fence and counter in between.
+        return frozenset({"logits"})
+
     def default_splits(self, grid, tensors):
         return {name: (0, None, None) for name in ROW_OPERANDS}
 

@@ -2,7 +2,9 @@
 //
 // Layouts (default splits): x and out split along rows only; the operand pointers point at the
 // tile's first row, rows contiguous with stride `hidden`; `rows` = rows in this tile.
-// Rows are staged in shared memory with cp.async (activations, through L2), in groups that fit;
+// Rows are staged in shared memory with cp.async (activations, through L2), in groups that fit
+// (a flagged x, common/flags.cuh: polled a vector a thread at a time; task.py flags x only
+// when H % 8 == 0, so the vector path takes it);
 // the sum of squares of each row is reduced per warp and then over the 8 warps in a fixed order
 // (deterministic); the normalised rows are written from shared memory.
 #pragma once
@@ -10,10 +12,24 @@
 #include <stdint.h>
 
 #include "../common/bf16.cuh"
+#include "../common/flags.cuh"
 #include "../common/memory.cuh"
 #include "../common/reduce.cuh"
 
 namespace mpk::kinds::rmsnorm {
+namespace detail {
+
+// Vectors 0 .. n-1 of a flagged tile (vector i: words 4i .. 4i+3) into xs as bf16, one a thread
+// at a time (dev::poll8). At batch 1 that is one vector a thread at H = 2,048; more in flight
+// (the linear's poll_stage) cost the all-kinds and prefill builds 200-400 B of spills.
+__device__ __forceinline__ void poll_rows(__nv_bfloat16* xs, const dev::flag_word* words, int n,
+                                          uint32_t ep) {
+  const dev::Poll poll;
+  for (int idx = threadIdx.x; idx < n; idx += NUM_THREADS)
+    *reinterpret_cast<uint4*>(xs + idx * 8) = dev::poll8(words + idx * 4, ep, poll);
+}
+
+}  // namespace detail
 
 MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   using bf16 = __nv_bfloat16;
@@ -24,7 +40,12 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   const bf16* w = a.operand<const bf16>(O_WEIGHT);
   bf16* out = a.operand<bf16>(O_OUT);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const bool vec = (H % 8 == 0) && dev::aligned16(x) && dev::aligned16(w) && dev::aligned16(out);
+  const uint32_t x_ep = dev::flag_epoch<FLAGGED>(a, O_X);
+  // A flagged x always takes the vector path, the only one that polls: task.py flags x only when
+  // H % 8 == 0 (its words are then 16-byte aligned), out is in the arena and a bound weight is
+  // 16-byte aligned (CudaExecutor.bind).
+  const bool vec = x_ep != 0u || ((H % 8 == 0) && dev::aligned16(x) && dev::aligned16(w) &&
+                                  dev::aligned16(out));
 
   float* red = reinterpret_cast<float*>(a.smem);  // [group rows][kWarps]
   if (!vec) {
@@ -58,10 +79,15 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   bf16* xs = reinterpret_cast<bf16*>(a.smem + ((group * (kWarps + 1) * 4 + 15) / 16) * 16);
   for (int r0 = 0; r0 < rows; r0 += group) {
     const int nr = min(group, rows - r0);
-    const bf16* src = x + (long long)r0 * H;
-    for (int idx = tid; idx < nr * vpr; idx += NUM_THREADS)
-      dev::cp_async_act16(xs + (long long)idx * 8, src + (long long)idx * 8);
-    dev::cp_async_wait_all();
+    if (x_ep != 0u) {
+      const dev::flag_word* words = dev::flag_operand<const dev::flag_word>(a, O_X);
+      detail::poll_rows(xs, words + (long long)r0 * H / 2, nr * vpr, x_ep);
+    } else {
+      const bf16* src = x + (long long)r0 * H;
+      for (int idx = tid; idx < nr * vpr; idx += NUM_THREADS)
+        dev::cp_async_act16(xs + (long long)idx * 8, src + (long long)idx * 8);
+      dev::cp_async_wait_all();
+    }
     mpk::task_sync();
     for (int r = 0; r < nr; ++r) {
       float ss = 0.f;

@@ -10,6 +10,8 @@ from mpk.tasks.base import Access, OpView, OperandSpec, Param, TaskCost, TaskKin
 from mpk.tasks.numerics import rmsnorm_rows
 from mpk.tasks.registry import register
 
+POLL_MAX_BYTES = 8 * 1024  # a flagged x: 16-byte vectors, at most two a thread (256 threads)
+
 
 @register
 class RmsNorm(TaskKind):
@@ -21,6 +23,16 @@ class RmsNorm(TaskKind):
     )
     params = (Param("rows"), Param("hidden"), Param("eps", is_float=True))
     attrs = {"eps": 1e-6}
+
+    def flag_operands(self, op: OpView) -> frozenset[str]:
+        # A flagged x is polled by whole 16-byte vectors into the staged rows (sm90.cuh), which
+        # every path of the kernel reads; out is written plainly. The polls go one vector a
+        # thread after the other, so only up to POLL_MAX_BYTES (two vectors a thread): polled
+        # one by one, batch 8's 16 KB cost the linears more than a counted hand-off saved
+        # (perf-log, fourteenth session).
+        rows, hidden = op.shape("x")
+        small = 2 * rows * hidden <= POLL_MAX_BYTES
+        return frozenset({"x"}) if hidden % 8 == 0 and small else frozenset()
 
     def default_splits(self, grid, tensors):
         return {"x": (0, None, None), "out": (0, None, None)}
