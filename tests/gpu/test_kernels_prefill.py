@@ -60,8 +60,21 @@ def test_gemm_residual(residual):
     gemm_case(128, 384, 192, (3, 2), residual=residual, seed=7)
 
 
+@pytest.mark.parametrize("residual", ["separate", "in_place"])
+def test_gemm_residual_several_tiles_a_task(residual):
+    """Three row tiles (the last ragged) of two column tiles (the second ragged) a task: each
+    tile's stores drain while the next tile's first copies land."""
+    gemm_case(300, 776, 200, (2, 1), residual=residual, seed=9)
+
+
 def test_gemm_silu_mul():
     gemm_case(130, 200, 136, (3, 2), silu=True, seed=11)
+
+
+def test_gemm_silu_mul_several_tiles_a_task():
+    """silu_mul over three row tiles of two column tiles a task (a tile holds 128 gate and 128
+    up rows: 400 outputs in two tasks of 200)."""
+    gemm_case(260, 400, 264, (2, 1), silu=True, seed=13)
 
 
 def prefill_attention_graph(group: int, d: int, kv_heads: int = 2, chunk: int = 128,

@@ -17,10 +17,9 @@
 // 256-wide tile brings 4/3 the FLOPs per staged byte (scripts/wgmma_gemm_probe.cu: 413 against
 // 318 TFLOP/s on one wave of qwen3-8b's down), and a narrow task would pay for columns it does
 // not have. models/prefill.py sizes the ranges for it.
-// Epilogue through shared memory: the tile is rounded to bf16 where the reference rounds
-// (tasks/linear project), then rows are written 16 bytes at a time with the silu_mul or
-// residual step (out may be the residual itself: each element is read, then written, by one
-// thread).
+// Epilogue from the accumulators (store_tile), while the task's next tile's first copies land:
+// through shared memory, the stages were busy with the staged tile until its stores were
+// issued, and its residual was read 16 bytes a thread at a time, one round trip after another.
 #pragma once
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -47,9 +46,6 @@ constexpr int A_BYTES = BM * BK * 2;
 // Both operands' k tile (task.py stage_bytes).
 template <int BN>
 __host__ __device__ constexpr int stage_bytes() { return (BM + BN) * BK * 2; }
-// The epilogue tile's row, bf16 elements (padded: no bank conflicts).
-template <int BN>
-__host__ __device__ constexpr int crow() { return BN + 8; }
 static_assert(NUM_THREADS == 256, "two consumer warpgroups of 64 rows each");
 
 struct Gemm {
@@ -136,62 +132,77 @@ __device__ __forceinline__ void mma_stage(uint32_t smem, int slot, float (&acc)[
   dev::wgmma_commit();
 }
 
-// The accumulators, rounded to bf16, into the [BM][CROW] tile at smem (fragment layout:
-// common/wgmma.cuh).
+// The tile's outputs [n0, n0 + BN) ([n0, n0 + BN / 2) with silu_mul) of rows m0 .. m0 + 127,
+// straight from the accumulators (fragment layout: common/wgmma.cuh): each thread writes the
+// pairs of columns it holds, rounded to bf16 where the reference rounds (tasks/linear project),
+// with the silu_mul or residual step (out may be the residual itself: each element is read,
+// then written, by one thread). A thread's residual words of a row are all loaded before any is
+// used, so the tile waits for one round trip a row, not one a 16-byte chunk; and the stages are
+// free for the next tile's first copies while these stores drain (tiles).
 template <int BN>
-__device__ __forceinline__ void stage_tile(uint32_t smem, const float (&acc)[BN / 2]) {
-  constexpr int CROW = crow<BN>();
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int row = (threadIdx.x / 128) * 64 + ((threadIdx.x / 32) % 4) * 16 + g;
+__device__ __forceinline__ void store_tile(const Gemm& t, const float (&acc)[BN / 2], int m0,
+                                           int n0) {
+  const int lane = threadIdx.x & 31, q = lane & 3;
+  const int row0 = m0 + (threadIdx.x / 128) * 64 + ((threadIdx.x / 32) % 4) * 16 + (lane >> 2);
 #pragma unroll
-  for (int i = 0; i < BN / 8; ++i) {
-    const int col = 8 * i + 2 * t;
-    const uint32_t lo = dev::pack_bf16x2(acc[4 * i], acc[4 * i + 1]);
-    const uint32_t hi = dev::pack_bf16x2(acc[4 * i + 2], acc[4 * i + 3]);
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(smem + (row * CROW + col) * 2), "r"(lo));
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(smem + ((row + 8) * CROW + col) * 2), "r"(hi));
-  }
-}
-
-// The staged tile's outputs [n0, n0 + BN) ([n0, n0 + BN / 2) with silu_mul) of rows m0 .. m0+127.
-template <int BN>
-__device__ __forceinline__ void store_tile(const Gemm& t, uint32_t smem, int m0, int n0) {
-  constexpr int CROW = crow<BN>();
-  const int width = t.silu ? BN / 2 : BN;
-  for (int i = threadIdx.x; i < BM * (width / 8); i += NUM_THREADS) {
-    const int r = i / (width / 8), c = (i % (width / 8)) * 8;
-    if (m0 + r >= t.rows || n0 + c >= t.hi) continue;
-    float f[8];
-    dev::unpack8(dev::lds_v4(smem + (r * CROW + c) * 2), f);
+  for (int h = 0; h < 2; ++h) {  // rows g, then g + 8 of the warp's 16
+    const int row = row0 + 8 * h;
+    if (row >= t.rows) continue;
+    bf16* out = t.out + (long long)row * t.N + n0 + 2 * q;
     if (t.silu) {
-      float up[8];
-      dev::unpack8(dev::lds_v4(smem + (r * CROW + BN / 2 + c) * 2), up);
+      // Column c's gate is accumulator group i, its up row the same column BN / 2 further on.
 #pragma unroll
-      for (int e = 0; e < 8; ++e) f[e] = dev::silu_mul_f32(f[e], up[e]);
-    }
-    const long long at = (long long)(m0 + r) * t.N + n0 + c;
-    if (t.res) {
-      float res[8];
-      dev::unpack8(dev::ld_act_v4(t.resid + at), res);
+      for (int i = 0; i < BN / 16; ++i) {
+        if (n0 + 8 * i >= t.hi) continue;
+        const float* g = acc + 4 * i + 2 * h;
+        const float* u = acc + 4 * (i + BN / 16) + 2 * h;
+        const float lo = dev::silu_mul_f32(dev::round_bf16(g[0]), dev::round_bf16(u[0]));
+        const float hi = dev::silu_mul_f32(dev::round_bf16(g[1]), dev::round_bf16(u[1]));
+        *reinterpret_cast<uint32_t*>(out + 8 * i) = dev::pack_bf16x2(lo, hi);
+      }
+    } else if (t.res) {
+      const bf16* resid = t.resid + (long long)row * t.N + n0 + 2 * q;
+      uint32_t res[BN / 8];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) f[e] = __fadd_rn(f[e], res[e]);
+      for (int i = 0; i < BN / 8; ++i)
+        res[i] = n0 + 8 * i < t.hi ? dev::ld_act_u32(resid + 8 * i) : 0u;
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i) {
+        if (n0 + 8 * i >= t.hi) continue;
+        const float* a = acc + 4 * i + 2 * h;
+        const float lo = __fadd_rn(dev::round_bf16(a[0]), dev::bf16lo(res[i]));
+        const float hi = __fadd_rn(dev::round_bf16(a[1]), dev::bf16hi(res[i]));
+        *reinterpret_cast<uint32_t*>(out + 8 * i) = dev::pack_bf16x2(lo, hi);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i) {
+        if (n0 + 8 * i >= t.hi) continue;
+        const float* a = acc + 4 * i + 2 * h;
+        *reinterpret_cast<uint32_t*>(out + 8 * i) = dev::pack_bf16x2(a[0], a[1]);
+      }
     }
-    *reinterpret_cast<uint4*>(t.out + at) = dev::pack8(f);
   }
 }
 
+// Stages 0 .. AHEAD - 1 <- the tile's first k tiles (one commit group each).
 template <int BN>
-__device__ __forceinline__ void tile(const Gemm& t, uint32_t smem, int m0, int n0) {
-  float acc[BN / 2];
-#pragma unroll
-  for (int e = 0; e < BN / 2; ++e) acc[e] = 0.f;
-  const int nk = (t.K + BK - 1) / BK;
-  const TileCopies copies = tile_copies<BN>(t, m0, n0);
+__device__ __forceinline__ void first_stages(const Gemm& t, const TileCopies& p, uint32_t smem,
+                                             int nk) {
 #pragma unroll
   for (int s = 0; s < AHEAD; ++s) {
-    if (s < nk) load_stage<BN>(t, copies, smem, s, s);
+    if (s < nk) load_stage<BN>(t, p, smem, s, s);
     dev::cp_async_commit();
   }
+}
+
+// acc = the tile's k loop, its first stages already issued (first_stages); returns with every
+// copy landed and both warpgroups done with the stages.
+template <int BN>
+__device__ __forceinline__ void k_loop(const Gemm& t, const TileCopies& copies, uint32_t smem,
+                                       int nk, float (&acc)[BN / 2]) {
+#pragma unroll
+  for (int e = 0; e < BN / 2; ++e) acc[e] = 0.f;
   for (int kt = 0; kt < nk; ++kt) {
     dev::cp_async_wait_group(AHEAD - 1);  // k tile kt has landed (this thread's copies)
     dev::fence_proxy_async_shared();      // ... and is visible to wgmma's reads
@@ -205,19 +216,34 @@ __device__ __forceinline__ void tile(const Gemm& t, uint32_t smem, int m0, int n
     dev::wgmma_wait_all();
   }
   dev::cp_async_wait_all();
-  mpk::task_sync();  // every warpgroup is done with the stages: the tile reuses them
-  stage_tile<BN>(smem, acc);
-  mpk::task_sync();
-  store_tile<BN>(t, smem, m0, n0);
-  mpk::task_sync();  // the next tile's copies overwrite the staged tile
+  mpk::task_sync();  // both warpgroups' last MMAs are done: the stages may be refilled
 }
 
 // Every tile of the task: its outputs BN (silu_mul: BN / 2) at a time, each over its row block.
+// The next tile's first k tiles are issued before this tile's stores, so their copies land
+// while the stores drain instead of after.
 template <int BN>
 __device__ __forceinline__ void tiles(const Gemm& t, uint32_t smem) {
   const int width = t.silu ? BN / 2 : BN;
-  for (int n0 = t.lo; n0 < t.hi; n0 += width)
-    for (int m0 = 0; m0 < t.rows; m0 += BM) tile<BN>(t, smem, m0, n0);
+  const int nk = (t.K + BK - 1) / BK;
+  if (t.lo >= t.hi || t.rows <= 0) return;
+  int m0 = 0, n0 = t.lo;
+  TileCopies copies = tile_copies<BN>(t, m0, n0);
+  first_stages<BN>(t, copies, smem, nk);
+  while (true) {
+    float acc[BN / 2];
+    k_loop<BN>(t, copies, smem, nk, acc);
+    int next_m0 = m0 + BM, next_n0 = n0;
+    if (next_m0 >= t.rows) next_m0 = 0, next_n0 += width;
+    const bool more = next_n0 < t.hi;
+    if (more) {
+      copies = tile_copies<BN>(t, next_m0, next_n0);
+      first_stages<BN>(t, copies, smem, nk);
+    }
+    store_tile<BN>(t, acc, m0, n0);
+    if (!more) return;
+    m0 = next_m0, n0 = next_n0;
+  }
 }
 
 }  // namespace detail
@@ -226,7 +252,7 @@ __device__ __forceinline__ void tiles(const Gemm& t, uint32_t smem) {
 // (each waited for before the next was issued: its pipeline crosses a function call, warning
 // C7510), and capped the function at the kernel's 168 registers, where the 256-wide tile's 128
 // accumulators a thread spilled. Inlined, it gets the consumers' 232 registers; ptxas still
-// keeps a few values of the wide tile's k loop in local memory (tests/cuda: 456 B stored).
+// keeps a few values of the wide tile's k loop in local memory (tests/cuda: 184 B stored).
 __device__ __forceinline__ void run_task(const mpk::TaskArgs& a) {
   using detail::bf16;
   detail::Gemm t;
