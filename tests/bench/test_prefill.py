@@ -55,3 +55,34 @@ def test_the_cli_prefill_mode_errors(capsys: pytest.CaptureFixture[str]) -> None
     if not torch.cuda.is_available():
         assert main(["bench", "--prefill", "8", "--model", "tiny-llama"]) != 0
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_ab_prefill_reports_the_engines_first_token() -> None:
+    """scripts/ab_prefill.py (the A/B runs' MPK-only prefill) on the interpreter: one JSON line
+    whose token is the one the same engine gives its seeded prompt, one prefill-plan launch."""
+    import json
+    import random
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mpk.engine import Engine, SamplingParams
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(root / "scripts" / "ab_prefill.py"), "--model", "tiny-qwen3",
+           "--prompt", "40", "--chunk", "64", "--max-batch", "4", "--rounds", "1",
+           "--backend", "cpu"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = json.loads(done.stdout.strip().splitlines()[-1])
+    cfg = get_preset("tiny-qwen3")
+    rng = random.Random(0)
+    prompt = [rng.randrange(cfg.vocab_size) for _ in range(40)]
+    engine = Engine(cfg, random_weights(cfg, 0), backend="cpu", max_seq_len=56, prefill_rows=4,
+                    prefill_chunk=64, progress=False)
+    engine.start(max_batch=4)
+    try:
+        token = engine.submit(prompt, SamplingParams(max_tokens=1)).result().token_ids[0]
+    finally:
+        engine.stop()
+    assert line["token"] == token and line["steps"] == 1 and len(line["ms"]) == 1
