@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 
 import torch
 
 import mpk
-from mpk.bench.prefill import time_mpk_prefill
+from mpk.bench.prefill import random_prompt, time_mpk_prefill
 from mpk.engine.engine import Engine
 from mpk.models.config import get_preset
 from mpk.models.weights import random_weights
@@ -39,8 +38,7 @@ def main() -> None:
     cfg = get_preset(args.model)
     device = torch.device("cuda", 0) if args.backend == "cuda" else torch.device("cpu")
     weights = random_weights(cfg, 0, device)
-    rng = random.Random(0)
-    prompt = [rng.randrange(cfg.vocab_size) for _ in range(args.prompt)]
+    prompt = random_prompt(cfg.vocab_size, args.prompt, 0)
     engine = Engine(cfg, weights, backend=args.backend, max_seq_len=args.prompt + 16,
                     prefill_rows=args.max_batch, prefill_chunk=args.chunk, progress=False)
     rounds = [time_mpk_prefill(engine, prompt, args.max_batch, repeats=5)

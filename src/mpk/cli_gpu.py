@@ -79,17 +79,14 @@ def _bench_serving(args: argparse.Namespace, backend: str) -> int:
 
 
 def _bench_prefill(args: argparse.Namespace) -> int:
-    import random
-
     from mpk.bench.baseline import StaticDecoder
-    from mpk.bench.prefill import format_prefill, run_prefill_bench
+    from mpk.bench.prefill import format_prefill, random_prompt, run_prefill_bench
     from mpk.engine.engine import Engine
 
     source = _gpu_source(args, "bench")
     cfg = source.cfg
     weights = source.load("cuda")
-    rng = random.Random(args.seed)
-    prompt = [rng.randrange(cfg.vocab_size) for _ in range(args.prefill)]
+    prompt = random_prompt(cfg.vocab_size, args.prefill, args.seed)
     max_seq = args.prefill + 16
     # The prompt runs through the prefill plan (--prefill-chunk positions a launch), or with
     # --prefill-chunk 0 on exactly --max-batch rows (no wider plan).

@@ -4,11 +4,17 @@ token per step (which test_baseline.py checks against the reference model)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from mpk.bench.baseline import StaticDecoder
-from mpk.bench.prefill import torch_prefill
+from mpk.bench.prefill import random_prompt, torch_prefill
+from mpk.engine import Engine, SamplingParams
 from mpk.models.config import get_preset
 from mpk.models.weights import random_weights
 from mpk.testing import moe_top3_config
@@ -35,7 +41,6 @@ def test_one_call_prefill_equals_token_by_token(name: str) -> None:
 
 def test_mpk_prefill_timing_on_the_interpreter() -> None:
     from mpk.bench.prefill import time_mpk_prefill
-    from mpk.engine import Engine
 
     cfg = get_preset("tiny-qwen3")
     for prefill_rows, want in ((8, 5), (16, 3)):  # 40 positions on the 8 slots / 16 rows
@@ -60,13 +65,6 @@ def test_the_cli_prefill_mode_errors(capsys: pytest.CaptureFixture[str]) -> None
 def test_ab_prefill_reports_the_engines_first_token() -> None:
     """scripts/ab_prefill.py (the A/B runs' MPK-only prefill) on the interpreter: one JSON line
     whose token is the one the same engine gives its seeded prompt, one prefill-plan launch."""
-    import json
-    import random
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from mpk.engine import Engine, SamplingParams
 
     root = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, str(root / "scripts" / "ab_prefill.py"), "--model", "tiny-qwen3",
@@ -76,8 +74,7 @@ def test_ab_prefill_reports_the_engines_first_token() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     line = json.loads(done.stdout.strip().splitlines()[-1])
     cfg = get_preset("tiny-qwen3")
-    rng = random.Random(0)
-    prompt = [rng.randrange(cfg.vocab_size) for _ in range(40)]
+    prompt = random_prompt(cfg.vocab_size, 40, 0)
     engine = Engine(cfg, random_weights(cfg, 0), backend="cpu", max_seq_len=56, prefill_rows=4,
                     prefill_chunk=64, progress=False)
     engine.start(max_batch=4)

@@ -14,6 +14,7 @@ compiled: at P tokens per call the GEMMs dominate.
 
 from __future__ import annotations
 
+import random
 import statistics
 from typing import Any
 
@@ -23,6 +24,12 @@ import torch.nn.functional as F
 from mpk.bench.baseline import StaticDecoder, _rms_norm
 from mpk.engine.engine import Engine
 from mpk.engine.requests import SamplingParams
+
+
+def random_prompt(vocab_size: int, tokens: int, seed: int) -> list[int]:
+    """The seeded prompt `mpk bench --prefill` times (and scripts/ab_prefill.py, seed 0)."""
+    rng = random.Random(seed)
+    return [rng.randrange(vocab_size) for _ in range(tokens)]
 
 
 @torch.no_grad()
