@@ -100,7 +100,7 @@ def build_prefill_graph(cfg: ModelConfig, shape: PrefillShape, num_sms: int) -> 
     g.add_tensor("embed", (cfg.vocab_size, h), BF16, Role.WEIGHT)
     g.add_tensor("rope", (shape.max_seq_len, cfg.head_dim), F32, Role.WEIGHT)
     g.add_tensor("hidden", (c, h), BF16, Role.ACTIVATION)
-    g.add_op("embedding", "embed", (choose_split(h, max(1, h // 256), 64),),
+    g.add_op("embedding", "embed", (choose_split(h, num_sms, 64),),
              {"tokens": "row_tokens", "prompt": io.PROMPT, "table": "embed", "out": "hidden"})
     for layer in range(cfg.num_layers):
         _layer(g, cfg, shape, num_sms, layer)
