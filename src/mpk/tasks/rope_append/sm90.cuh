@@ -25,7 +25,7 @@ using bf16 = __nv_bfloat16;
 constexpr int kWarps = NUM_THREADS / 32;
 // A row's vectors in flight at once: qwen3-8b's and llama's G + 2 = 6 (4 queries, the key, the
 // value) in one round trip; a wider group takes its row in rounds of kRowVecs.
-constexpr int kRowVecs = 6;
+constexpr int kRowVecs = 6;  // task.py ROW_VECS
 
 struct Ctx {
   int G, D, KVH, PS, MAXP, NP, p0, r0, n, block, first;  // first: pages[0]'s page index

@@ -30,6 +30,9 @@ from mpk.tasks.base import Access, OpView, OperandSpec, Param, TaskCost, TaskKin
 from mpk.tasks.numerics import bf16, rmsnorm_rows
 from mpk.tasks.registry import register
 
+CUDA_WARPS = 8  # sm90.cuh: the task's warps (NUM_THREADS / 32)
+ROW_VECS = 6  # sm90.cuh kRowVecs: a row's vectors a lane group loads at once
+
 
 def page_slots(table: torch.Tensor, positions: torch.Tensor, page_size: int, num_pages: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -202,4 +205,17 @@ class RopeAppend(TaskKind):
         rows, width = op.shape("qkv")
         block = rows // op.grid[1]
         per_row = width // op.grid[0] * 2  # one head's G + 2 vectors of a row, bf16
-        return TaskCost(weight_bytes=0, act_bytes=2 * block * per_row, flops=8 * block * per_row)
+        return TaskCost(weight_bytes=0, act_bytes=2 * block * per_row, flops=8 * block * per_row,
+                        round_trips=self.round_trips(op, block))
+
+    def round_trips(self, op: OpView, block: int) -> int:
+        """sm90.cuh's loads one after another: the positions, then the page entries and norm
+        weights, then a lane group's rows, one round of ROW_VECS vectors at a time. The
+        scheduler needs them: counted by bytes alone, a task looked like 6 us where it took 34,
+        and list scheduling stacked 14-15 of a layer's tasks on each of the 12 SMs that had a
+        qkv tile fewer (perf-log, thirty-fifth session)."""
+        p = self.param_values(op)
+        lanes = -(-int(p["head_dim"]) // 8)
+        groups = CUDA_WARPS * max(1, 32 // lanes)
+        rounds = -(-(int(p["group"]) + 2) // ROW_VECS)
+        return 2 + -(-block // groups) * rounds
