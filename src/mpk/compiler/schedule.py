@@ -30,7 +30,8 @@ class CostModel:
     task_overhead_us: float = 4.0
     handoff_us: float = 2.0
     # A dependent L2 round trip under load (TaskCost.round_trips): qwen3-8b's prefill
-    # rope_append made 12 of them in 34 us a task (perf-log, thirty-fifth session).
+    # rope_append made 14 of them (2 + 12 rounds) in 34 us a task, which this, its bytes and
+    # the task overhead give (perf-log, thirty-fifth session).
     round_trip_us: float = 2.0
 
     def weight_us(self, cost: TaskCost, num_sms: int) -> float:

@@ -6,10 +6,10 @@
 // i*KVH*G*D + (h*G + g)*D), k_cache / v_cache [num_pages, page_size, KVH, D].
 // The task's rows go to groups of L = D/8 lanes (32/L groups a warp), a lane holding 8
 // consecutive elements of each vector (one 16-byte load and store); a group asks for a row's
-// vectors (kRowVecs at a time) and the table's cos and sin at its position (one load for the
-// row's queries and key) at once, then finishes them one by one: a round trip a row (two
-// vectors a round trip made qwen3-8b's 2,048-row chunk's tasks 34 us each, mostly waiting:
-// perf-log, thirty-fifth session). RMSNorm sums over the group in lane order, RoPE takes each
+// vectors (kRowVecs at a time) and prefetches the table's cos and sin at its position to L1 at
+// once, then finishes the vectors one by one, each query and the key reading cos and sin from
+// L1: a round trip a row where G + 2 <= kRowVecs (two vectors a round trip made qwen3-8b's
+// 2,048-row chunk's tasks 34 us each, mostly waiting: perf-log, thirty-fifth session). RMSNorm sums over the group in lane order, RoPE takes each
 // element's partner (e +- D/2) from lane +- L/2 of the group: the rounding of `attention`.
 #pragma once
 #include <cuda_bf16.h>
@@ -25,7 +25,7 @@ using bf16 = __nv_bfloat16;
 constexpr int kWarps = NUM_THREADS / 32;
 // A row's vectors in flight at once: qwen3-8b's and llama's G + 2 = 6 (4 queries, the key, the
 // value) in one round trip; a wider group takes its row in rounds of kRowVecs.
-constexpr int kRowVecs = 6;  // task.py ROW_VECS
+constexpr int kRowVecs = ROPE_ROW_VECS;  // task.py ROW_VECS
 
 struct Ctx {
   int G, D, KVH, PS, MAXP, NP, p0, r0, n, block, first;  // first: pages[0]'s page index
@@ -71,7 +71,9 @@ __device__ __forceinline__ void load_row(const Ctx& c, int row, int w0, int e0, 
                                   : make_uint4(0u, 0u, 0u, 0u);
   r.rrow = c.rope + (long long)(c.p0 + (r.live ? row : 0)) * c.D + (e0 < half ? e0 : e0 - half);
   // The row's cos and sin lines into L1 beside the vectors (finish reads them from there for
-  // each of the row's queries and its key; held in registers they spilled).
+  // each of the row's queries and its key; held in registers, six vectors' worth, they spilled
+  // in the prefill plan's build: 32 / 48 B here and the kernel body's 184 -> 580 B). The table
+  // is a weight (task.py cuda_unsupported): nothing writes it during a launch, so L1 is safe.
   if (r.live && w0 == 0) {
     asm volatile("prefetch.global.L1 [%0];" ::"l"(r.rrow));
     asm volatile("prefetch.global.L1 [%0];" ::"l"(r.rrow + half));

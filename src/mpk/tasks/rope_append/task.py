@@ -29,9 +29,10 @@ from mpk.tasks.attention.task import MAX_HEAD_DIM, rope_rotate
 from mpk.tasks.base import Access, OpView, OperandSpec, Param, TaskCost, TaskKind, Tile
 from mpk.tasks.numerics import bf16, rmsnorm_rows
 from mpk.tasks.registry import register
+from mpk.tensors import Role
 
 CUDA_WARPS = 8  # sm90.cuh: the task's warps (NUM_THREADS / 32)
-ROW_VECS = 6  # sm90.cuh kRowVecs: a row's vectors a lane group loads at once
+ROW_VECS = 6  # a row's vectors a lane group loads at once (sm90.cuh kRowVecs: ROPE_ROW_VECS)
 
 
 def page_slots(table: torch.Tensor, positions: torch.Tensor, page_size: int, num_pages: int
@@ -142,6 +143,8 @@ class RopeAppend(TaskKind):
     disjoint_writes = ("k_cache", "v_cache")
     attrs = {"eps": 1e-6}
 
+    cuda_defaults = {"ROPE_ROW_VECS": ROW_VECS}
+
     def default_splits(self, grid, tensors):
         return {"qkv": (1, 0, None), "k_cache": (2, None, None), "v_cache": (2, None, None),
                 "q": (1, 0, None)}
@@ -175,6 +178,9 @@ class RopeAppend(TaskKind):
         return 2 * op.shape("k_cache")[3] * 4 + 4 * (block + 2)
 
     def cuda_unsupported(self, op: OpView) -> str | None:
+        if op.tensors["rope"].role is not Role.WEIGHT:
+            return ("its RoPE table must be a weight tensor: the kernel reads it through L1, "
+                    "which a write during the launch would leave stale")
         return cuda_one_segment(op)
 
     def reference(self, tile: Tile) -> None:
