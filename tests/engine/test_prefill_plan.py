@@ -22,6 +22,7 @@ from mpk.models.prefill import (PrefillShape, build_prefill_graph, prefill_segme
                                 supports_prefill)
 from mpk.models.reference import ReferenceModel
 from mpk.models.weights import random_weights
+from mpk.tensors import Role
 from mpk.testing import greedy_mismatches
 
 SEED = 77
@@ -241,6 +242,19 @@ def test_the_cuda_build_refuses_packed_chunks() -> None:
         build.build_plan(plan, arch="sm_90a")
     with pytest.raises(UnsupportedError, match="at least as many 64-row blocks"):
         PrefillShape(chunk=96, segments=2)
+
+
+def test_the_cuda_build_refuses_a_rope_table_that_is_not_a_weight() -> None:
+    """rope_append's kernel reads the RoPE table through L1, which only a tensor nothing writes
+    during the launch allows: a table bound as an IO tensor is refused before nvcc."""
+    from mpk.backends.cuda import build
+
+    graph = build_prefill_graph(get_preset("tiny-qwen3"), PrefillShape(chunk=64), num_sms=4)
+    rope = graph.tensors["rope"]
+    graph.tensors["rope"] = dataclasses.replace(rope, role=Role.IO)
+    plan = compile_graph(graph, num_sms=4)
+    with pytest.raises(UnsupportedError, match=r"rope_append.*RoPE table must be a weight"):
+        build.build_plan(plan, arch="sm_90a")
 
 
 def test_prompts_packed_into_chunk_launches_match_the_reference(monkeypatch) -> None:

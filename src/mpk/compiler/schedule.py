@@ -29,12 +29,17 @@ class CostModel:
     l2_bytes_per_us: float = 12.0e6
     task_overhead_us: float = 4.0
     handoff_us: float = 2.0
+    # A dependent L2 round trip under load (TaskCost.round_trips): qwen3-8b's prefill
+    # rope_append made 14 of them (2 + 12 rounds) in 34 us a task, which this, its bytes and
+    # the task overhead give (perf-log, thirty-fifth session).
+    round_trip_us: float = 2.0
 
     def weight_us(self, cost: TaskCost, num_sms: int) -> float:
         return cost.weight_bytes / (self.stream_bytes_per_us / max(num_sms, 1))
 
     def act_us(self, cost: TaskCost, num_sms: int) -> float:
-        return cost.act_bytes / (self.l2_bytes_per_us / max(num_sms, 1))
+        return (cost.act_bytes / (self.l2_bytes_per_us / max(num_sms, 1))
+                + cost.round_trips * self.round_trip_us)
 
 
 @dataclass(frozen=True)

@@ -60,11 +60,14 @@ class Param:
 
 @dataclass(frozen=True)
 class TaskCost:
-    """Bytes and flops of ONE task (one grid point)."""
+    """Bytes and flops of ONE task (one grid point), and the global-memory round trips it makes
+    one after another (each waits for the last: latency its bytes do not show; 0 where the
+    bytes set the time)."""
 
     weight_bytes: int
     act_bytes: int
     flops: int
+    round_trips: int = 0
 
 
 @dataclass(frozen=True)

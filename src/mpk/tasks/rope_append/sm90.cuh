@@ -4,9 +4,12 @@
 // Layouts (whole tensors through a.base): qkv [C, KVH*(G+2)*D] (row i, head h, vector j at
 // i*KVH*(G+2)*D + (h*(G+2) + j)*D), q [C, KVH*G*D] (row i, head h, query g at
 // i*KVH*G*D + (h*G + g)*D), k_cache / v_cache [num_pages, page_size, KVH, D].
-// The task's (row, vector) pairs in row-major order go to groups of L = D/8 lanes (32/L groups a
-// warp), a lane holding 8 consecutive elements (one 16-byte load and store); a group has kVecs
-// vectors' loads in flight at once. RMSNorm sums over the group in lane order, RoPE takes each
+// The task's rows go to groups of L = D/8 lanes (32/L groups a warp), a lane holding 8
+// consecutive elements of each vector (one 16-byte load and store); a group asks for a row's
+// vectors (kRowVecs at a time) and prefetches the table's cos and sin at its position to L1 at
+// once, then finishes the vectors one by one, each query and the key reading cos and sin from
+// L1: a round trip a row where G + 2 <= kRowVecs (two vectors a round trip made qwen3-8b's
+// 2,048-row chunk's tasks 34 us each, mostly waiting: perf-log, thirty-fifth session). RMSNorm sums over the group in lane order, RoPE takes each
 // element's partner (e +- D/2) from lane +- L/2 of the group: the rounding of `attention`.
 #pragma once
 #include <cuda_bf16.h>
@@ -20,7 +23,9 @@ namespace detail {
 
 using bf16 = __nv_bfloat16;
 constexpr int kWarps = NUM_THREADS / 32;
-constexpr int kVecs = 2;  // vectors a lane group has in flight
+// A row's vectors in flight at once: qwen3-8b's and llama's G + 2 = 6 (4 queries, the key, the
+// value) in one round trip; a wider group takes its row in rounds of kRowVecs.
+constexpr int kRowVecs = ROPE_ROW_VECS;  // task.py ROW_VECS
 
 struct Ctx {
   int G, D, KVH, PS, MAXP, NP, p0, r0, n, block, first;  // first: pages[0]'s page index
@@ -44,40 +49,47 @@ __device__ __forceinline__ long long cache_row(const Ctx& c, int i) {
   return ((long long)page * c.PS + p % c.PS) * c.KVH * c.D;
 }
 
-struct Vec {
-  int row, which;  // chunk row (-1: none) and vector (queries, the key G, the value G + 1)
-  uint4 x;         // the lane's 8 elements as loaded
-  float4 cs[2], sn[2];  // the table's cos and sin at those elements' columns
+// One lane's part of a row: where the table's cos and sin of its 8 columns are (one position:
+// the row's queries and key share them) and vectors [w0, w0 + kRowVecs) of the row as loaded.
+struct RowPart {
+  int row;              // chunk row (-1: none)
+  bool live;            // a prompt row whose lane holds columns
+  const float* rrow;    // the lane's cos at its position (sin D/2 further on)
+  uint4 x[kRowVecs];
 };
 
-// Issue vector m's loads (m >= total: none).
-__device__ __forceinline__ void load(const Ctx& c, int m, int total, int e0, Vec& v) {
+// Issue the loads of row `row`'s vectors [w0, w0 + kRowVecs) (and, with w0 == 0, an L1
+// prefetch of its table entries).
+__device__ __forceinline__ void load_row(const Ctx& c, int row, int w0, int e0, RowPart& r) {
   const int W = c.G + 2, half = c.D / 2;
-  v.row = m < total ? c.r0 + m / W : -1;
-  v.which = m % W;
-  const bool live = v.row >= 0 && v.row < c.n && e0 < c.D;
-  v.x = live ? dev::ld_act_v4(c.qkv + v.row * (long long)c.KVH * W * c.D +
-                              (long long)v.which * c.D + e0)
-             : make_uint4(0u, 0u, 0u, 0u);
-  v.cs[0] = v.cs[1] = v.sn[0] = v.sn[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (live && v.which <= c.G) {
-    const float* rrow = c.rope + (long long)(c.p0 + v.row) * c.D + (e0 < half ? e0 : e0 - half);
+  r.row = row;
+  r.live = row >= 0 && row < c.n && e0 < c.D;
+  const bf16* src = c.qkv + row * (long long)c.KVH * W * c.D + e0;
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      v.cs[k] = __ldcg(reinterpret_cast<const float4*>(rrow) + k);
-      v.sn[k] = __ldcg(reinterpret_cast<const float4*>(rrow + half) + k);
-    }
+  for (int u = 0; u < kRowVecs; ++u)
+    r.x[u] = r.live && w0 + u < W ? dev::ld_act_v4(src + (long long)(w0 + u) * c.D)
+                                  : make_uint4(0u, 0u, 0u, 0u);
+  r.rrow = c.rope + (long long)(c.p0 + (r.live ? row : 0)) * c.D + (e0 < half ? e0 : e0 - half);
+  // The row's cos and sin lines into L1 beside the vectors (finish reads them from there for
+  // each of the row's queries and its key; held in registers, six vectors' worth, they spilled
+  // in the prefill plan's build: 32 / 48 B here and the kernel body's 184 -> 580 B). The table
+  // is a weight (task.py cuda_unsupported): nothing writes it during a launch, so L1 is safe.
+  if (r.live && w0 == 0) {
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(r.rrow));
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(r.rrow + half));
   }
 }
 
-// Normalise, rotate and store vector v. The lanes of a warp hold different vectors (one per
-// group), so every lane runs the same shuffles; only the stores depend on the lane's vector.
-__device__ __forceinline__ void finish(const Ctx& c, const Vec& v, int gbase, int gl, int L) {
+// Normalise, rotate and store vector `which` (x as loaded) of the row. The lanes of a warp hold
+// different rows (one per group), so every lane runs the same shuffles; only the stores depend
+// on the lane's row.
+__device__ __forceinline__ void finish(const Ctx& c, const RowPart& r, const uint4& xv,
+                                       int which, long long crow, int gbase, int gl, int L) {
   const int e0 = gl * 8, half = c.D / 2;
-  const bool on = v.row >= 0 && gbase + L <= 32;  // lanes past the warp's groups idle
-  const bool live = on && v.row < c.n, query = v.which < c.G;
+  const bool on = r.row >= 0 && gbase + L <= 32;  // lanes past the warp's groups idle
+  const bool live = on && r.live, query = which < c.G;
   float x[8];
-  dev::unpack8(v.x, x);
+  dev::unpack8(xv, x);
   float ss = 0.f;
 #pragma unroll
   for (int k = 0; k < 8; ++k) ss = fmaf(x[k], x[k], ss);
@@ -90,10 +102,16 @@ __device__ __forceinline__ void finish(const Ctx& c, const Vec& v, int gbase, in
     for (int k = 0; k < 8; ++k) x[k] = dev::rmsnorm_elem(x[k], inv, on ? w[k] : 1.f);
   }
   const int partner = gbase + (gl < L / 2 ? gl + L / 2 : gl - L / 2);
-  const float cs[8] = {v.cs[0].x, v.cs[0].y, v.cs[0].z, v.cs[0].w,
-                       v.cs[1].x, v.cs[1].y, v.cs[1].z, v.cs[1].w};
-  const float sn[8] = {v.sn[0].x, v.sn[0].y, v.sn[0].z, v.sn[0].w,
-                       v.sn[1].x, v.sn[1].y, v.sn[1].z, v.sn[1].w};
+  float cs[8] = {}, sn[8] = {};
+  if (live && which <= c.G) {  // the table is read-only for the launch: the L1 path
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const float4 a = __ldg(reinterpret_cast<const float4*>(r.rrow) + k);
+      const float4 b = __ldg(reinterpret_cast<const float4*>(r.rrow + half) + k);
+      cs[4 * k] = a.x, cs[4 * k + 1] = a.y, cs[4 * k + 2] = a.z, cs[4 * k + 3] = a.w;
+      sn[4 * k] = b.x, sn[4 * k + 1] = b.y, sn[4 * k + 2] = b.z, sn[4 * k + 3] = b.w;
+    }
+  }
   float o[8];
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
@@ -104,17 +122,30 @@ __device__ __forceinline__ void finish(const Ctx& c, const Vec& v, int gbase, in
   }
   if (!on) return;
   if (query) {  // a padding row's query: zeros
-    *reinterpret_cast<uint4*>(c.q + v.row * (long long)c.KVH * c.G * c.D +
-                              (long long)v.which * c.D + e0) =
+    *reinterpret_cast<uint4*>(c.q + r.row * (long long)c.KVH * c.G * c.D +
+                              (long long)which * c.D + e0) =
         live ? dev::pack8(o) : make_uint4(0u, 0u, 0u, 0u);
     return;
   }
-  const long long crow = live ? cache_row(c, v.row) : -1;
-  if (crow < 0) return;  // padding, or no page: nothing to append
-  if (v.which == c.G + 1)  // value: as is
-    *reinterpret_cast<uint4*>(c.vc + crow + e0) = v.x;
+  if (!live || crow < 0) return;  // padding, or no page: nothing to append
+  if (which == c.G + 1)  // value: as is
+    *reinterpret_cast<uint4*>(c.vc + crow + e0) = xv;
   else
     *reinterpret_cast<uint4*>(c.kc + crow + e0) = dev::pack8(o);
+}
+
+// Row `row` (-1: none) of the task: its vectors kRowVecs at a time, each round's loads issued
+// together (one round trip a round, not one per two vectors).
+__device__ __forceinline__ void row_task(const Ctx& c, int row, int e0, int gbase, int gl, int L) {
+  const long long crow = row >= 0 && row < c.n && e0 < c.D ? cache_row(c, row) : -1;
+  RowPart r;
+#pragma unroll 1
+  for (int w0 = 0; w0 < c.G + 2; w0 += kRowVecs) {
+    load_row(c, row, w0, e0, r);
+#pragma unroll
+    for (int u = 0; u < kRowVecs; ++u)  // past the row's vectors: warp-uniform
+      if (w0 + u < c.G + 2) finish(c, r, r.x[u], w0 + u, crow, gbase, gl, L);
+  }
 }
 
 }  // namespace detail
@@ -164,15 +195,12 @@ __device__ __noinline__ void run_task(const mpk::TaskArgs& a) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int L = c.D / 8, groups = 32 / L, gid = lane / L, gl = lane - gid * L;
   const int gbase = gid * L, e0 = gid < groups ? gl * 8 : c.D;  // lanes past the groups idle
-  const int total = c.block * (c.G + 2);
-  const int stride = kWarps * groups;  // vectors one round of every group takes
-  for (int m0 = warp * groups + min(gid, groups - 1); m0 - min(gid, groups - 1) < total;
-       m0 += stride * kVecs) {
-    Vec v[kVecs];
-#pragma unroll
-    for (int u = 0; u < kVecs; ++u) load(c, m0 + u * stride, gid < groups ? total : 0, e0, v[u]);
-#pragma unroll
-    for (int u = 0; u < kVecs; ++u) finish(c, v[u], gbase, gl, L);
+  // Group `gid` of warp `warp` takes rows r0 + its index, then every kWarps * groups rows on;
+  // the bound follows the warp's first group, so every lane of a warp runs every shuffle.
+  const int stride = kWarps * groups, first = warp * groups;
+  for (int i = first; i < c.block; i += stride) {
+    const int mine = i + min(gid, groups - 1);
+    row_task(c, gid < groups && mine < c.block ? c.r0 + mine : -1, e0, gbase, gl, L);
   }
 }
 

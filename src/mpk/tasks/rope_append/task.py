@@ -29,6 +29,10 @@ from mpk.tasks.attention.task import MAX_HEAD_DIM, rope_rotate
 from mpk.tasks.base import Access, OpView, OperandSpec, Param, TaskCost, TaskKind, Tile
 from mpk.tasks.numerics import bf16, rmsnorm_rows
 from mpk.tasks.registry import register
+from mpk.tensors import Role
+
+CUDA_WARPS = 8  # sm90.cuh: the task's warps (NUM_THREADS / 32)
+ROW_VECS = 6  # a row's vectors a lane group loads at once (sm90.cuh kRowVecs: ROPE_ROW_VECS)
 
 
 def page_slots(table: torch.Tensor, positions: torch.Tensor, page_size: int, num_pages: int
@@ -139,6 +143,8 @@ class RopeAppend(TaskKind):
     disjoint_writes = ("k_cache", "v_cache")
     attrs = {"eps": 1e-6}
 
+    cuda_defaults = {"ROPE_ROW_VECS": ROW_VECS}
+
     def default_splits(self, grid, tensors):
         return {"qkv": (1, 0, None), "k_cache": (2, None, None), "v_cache": (2, None, None),
                 "q": (1, 0, None)}
@@ -172,6 +178,9 @@ class RopeAppend(TaskKind):
         return 2 * op.shape("k_cache")[3] * 4 + 4 * (block + 2)
 
     def cuda_unsupported(self, op: OpView) -> str | None:
+        if op.tensors["rope"].role is not Role.WEIGHT:
+            return ("its RoPE table must be a weight tensor: the kernel reads it through L1, "
+                    "which a write during the launch would leave stale")
         return cuda_one_segment(op)
 
     def reference(self, tile: Tile) -> None:
@@ -202,4 +211,17 @@ class RopeAppend(TaskKind):
         rows, width = op.shape("qkv")
         block = rows // op.grid[1]
         per_row = width // op.grid[0] * 2  # one head's G + 2 vectors of a row, bf16
-        return TaskCost(weight_bytes=0, act_bytes=2 * block * per_row, flops=8 * block * per_row)
+        return TaskCost(weight_bytes=0, act_bytes=2 * block * per_row, flops=8 * block * per_row,
+                        round_trips=self.round_trips(op, block))
+
+    def round_trips(self, op: OpView, block: int) -> int:
+        """sm90.cuh's loads one after another: the positions, then the page entries and norm
+        weights, then a lane group's rows, one round of ROW_VECS vectors at a time. The
+        scheduler needs them: counted by bytes alone, a task looked like 6 us where it took 34,
+        and list scheduling stacked 14-15 of a layer's tasks on each of the 12 SMs that had a
+        qkv tile fewer (perf-log, thirty-fifth session)."""
+        p = self.param_values(op)
+        lanes = -(-int(p["head_dim"]) // 8)
+        groups = CUDA_WARPS * max(1, 32 // lanes)
+        rounds = -(-(int(p["group"]) + 2) // ROW_VECS)
+        return 2 + -(-block // groups) * rounds
