@@ -31,7 +31,10 @@ class CostModel:
     handoff_us: float = 2.0
     # A dependent L2 round trip under load (TaskCost.round_trips): qwen3-8b's prefill
     # rope_append made 14 of them (2 + 12 rounds) in 34 us a task, which this, its bytes and
-    # the task overhead give (perf-log, thirty-fifth session).
+    # the task overhead give (perf-log, thirty-fifth session). With 6 (a row's vectors at once)
+    # its tasks still took 32 us on the H200, so this undercounts them; costed so, a layer's
+    # tasks spread over the SMs all the same and the 2,048-token prefill went 82.5 -> 74.5 ms
+    # (perf-log, thirty-sixth session).
     round_trip_us: float = 2.0
 
     def weight_us(self, cost: TaskCost, num_sms: int) -> float:

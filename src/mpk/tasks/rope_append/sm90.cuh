@@ -8,8 +8,10 @@
 // consecutive elements of each vector (one 16-byte load and store); a group asks for a row's
 // vectors (kRowVecs at a time) and prefetches the table's cos and sin at its position to L1 at
 // once, then finishes the vectors one by one, each query and the key reading cos and sin from
-// L1: a round trip a row where G + 2 <= kRowVecs (two vectors a round trip made qwen3-8b's
-// 2,048-row chunk's tasks 34 us each, mostly waiting: perf-log, thirty-fifth session). RMSNorm sums over the group in lane order, RoPE takes each
+// L1: a round trip a row where G + 2 <= kRowVecs. (Two vectors a round trip, qwen3-8b's
+// 2,048-row chunk's tasks took 34 us each on the H100; a row at once, 32 us on the H200: the
+// task time barely moved, the chunk's TTFT did with the scheduler's spread, task.py cost:
+// perf-log, thirty-sixth session.) RMSNorm sums over the group in lane order, RoPE takes each
 // element's partner (e +- D/2) from lane +- L/2 of the group: the rounding of `attention`.
 #pragma once
 #include <cuda_bf16.h>
