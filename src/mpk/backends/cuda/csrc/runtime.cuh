@@ -297,11 +297,13 @@ __device__ __forceinline__ void drain(Shared& sh, uint32_t seq, long long limit)
 // A whole free ring requested at once (up to NUM_PAGES x 16 KB a SM after a phase that streams
 // nothing) queues every L2 round trip of the SM's consumers behind it: with every SM streaming,
 // stage_bench's depth table gives a phase that reads nothing 2.3 / 3.5 / 6.6 / 8.5 us at 1 / 2 /
-// 3 / 4 pages in flight, the stream 2.64 / 2.87 / 3.04 / 3.06 TB/s (H100). Against an uncapped
-// ring (H100, perf-log thirty-fourth session) 2 gave qwen3-30b-a3b b1 -3.7%, llama-3.2-1b b1
-// -7%, qwen3-8b b1 -2.3%, qwen3-0.6b b1 -1.5 to -3.7%, its b8 / b16 0 to +1.6%; 3 was better on
-// the dense b1 steps by 0.4-2% and worse at b16 (+2%) and on the MoE step (+1.8%).
-inline constexpr uint32_t LOADER_PAGES_IN_FLIGHT = 2;
+// 3 / 4 pages in flight, the stream 2.64 / 2.87 / 3.04 / 3.06 TB/s (H100); a cap of 2 beat the
+// uncapped ring by 2-7% at b1 there (thirty-fourth session). On the H200 (more bandwidth, the
+// same latency: a deeper stream pays) 3 against 2 gave qwen3-8b b1 -6.2%, llama-3.2-1b b1
+// -2.9%, qwen3-0.6b b1 -0.6% and b16 -0.3%, qwen3-30b-a3b b1 0%; 4 lost to 3 on llama-3.2-1b
+// (+1.6%) and the MoE step (+1.2%) and tied on the rest (perf-log, thirty-sixth session). On
+// the H100, 3 had been worse than 2 at b16 (+2%) and on the MoE step (+1.8%).
+inline constexpr uint32_t LOADER_PAGES_IN_FLIGHT = 3;
 
 __device__ __forceinline__ void loader(const Params& p, Shared& sh, uint32_t ring,
                                        int total) {
