@@ -129,9 +129,10 @@ def test_tensors_touched_by_kinds_without_the_flagged_form_stay_plain() -> None:
 @pytest.mark.parametrize("batch", [1, 2])
 def test_moe_plans_flag_the_residual_stream(batch: int) -> None:
     """rmsnorm polls a flagged x (up to 8 KB: qwen3-30b-a3b at batch 1-2) and moe_down polls
-    its residual and writes whole words, so a MoE plan's hidden is flagged like a dense one's: the post-attention norm stops waiting on
-    o_proj's counter, the next layer's qkv on moe_down's (a reader that sees every word each
-    counted task wrote; rmsnorm and qkv read whole rows)."""
+    its residual and writes whole words, so a MoE plan's hidden is flagged like a dense one's:
+    the post-attention norm stops waiting on o_proj's counter, the next layer's qkv on
+    moe_down's (a reader that sees every word each counted task wrote; rmsnorm and qkv read
+    whole rows)."""
     cfg, plan = _plan("tiny-qwen3-moe", batch=batch)
     assert "hidden" in {t.name for t in plan.tensors if t.flagged}
     recs = _records_by_op(plan)

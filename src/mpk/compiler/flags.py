@@ -49,17 +49,9 @@ from mpk.compiler.deps import Edge
 from mpk.compiler.tiling import Access1, TiledOp, covers_whole
 from mpk.dtypes import DType
 from mpk.graph.graph import Graph
-from mpk.tasks.base import Access, boxes_overlap
+from mpk.tasks.base import FLAG_MAX_BYTES, Access, boxes_overlap
 from mpk.tensors import Role
 
-# A linear reader polls its 16-byte vectors up to four a thread in flight (linear/sm90.cuh
-# poll_stage: 256 threads, 16 KB a round, 32 KB in two); polled one after the other, batch 8's
-# 16 KB hidden (four a thread, four L2 round trips) lost to plain copies: qwen3-0.6b b8 1.178 ->
-# 1.200 ms (perf-log, fourteenth session), so the limit was 8 KB until the reads went out
-# together, 16 KB with them (twenty-ninth session). 32 KB against 16 (thirtieth session, H100):
-# qwen3-0.6b b4 -5 to -7%, b16 -1.3 to -1.9%, llama-3.2-1b b8 and qwen3-8b b1 ~-0.3%; a kind
-# may allow its outputs less (attention: task.py FLAGGED_OUT_MAX_BYTES).
-FLAG_MAX_BYTES = 32 * 1024
 _MAX_WRITES = 1 << 11  # W takes 12 bits of an entry, w the 11 below its sign bit
 
 

@@ -28,6 +28,7 @@ import torch
 
 from mpk.dtypes import DType
 from mpk.tasks.base import (
+    FLAG_MAX_BYTES,
     Access,
     OperandSpec,
     OpView,
@@ -44,9 +45,6 @@ from mpk.tasks.numerics import bf16
 from mpk.tasks.registry import register
 
 ALIGN = 8
-# The largest [B, H] this kind reserves a flagged out's shared-memory gather for (sm90.cuh ys):
-# compiler/flags.py flags nothing larger (FLAG_MAX_BYTES), so a larger one costs no scratch.
-FLAGGED_MAX_BYTES = 32 * 1024
 X_BUDGET = 64 * 1024  # shared memory for one batch row's K staged expert activations (bytes)
 HEADER_BYTES = 2048  # sm90.cuh: the staged ids and weights (B x K each)
 
@@ -151,4 +149,6 @@ class MoeDown(TaskKind):
 
 def _flaggable(op: OpView) -> bool:
     batch, hidden = op.shape("residual")
-    return 2 * batch * hidden <= FLAGGED_MAX_BYTES and hidden % 2 == 0
+    # A flagged out's shared-memory gather (sm90.cuh ys) is reserved only up to what the compiler
+    # flags at all, so a larger [B, H] costs no scratch.
+    return 2 * batch * hidden <= FLAG_MAX_BYTES and hidden % 2 == 0
