@@ -23,6 +23,10 @@ Split = tuple[int | None, int | None, int | None]
 
 # The CUDA runtime's shared-memory page: the most bytes of a weight stream one page holds.
 PAGE_BYTES = 16 * 1024
+# The threads a CUDA task runs on (the consumers; codegen's NUM_THREADS): kinds that size their
+# work per warp read TASK_WARPS.
+TASK_THREADS = 256
+TASK_WARPS = TASK_THREADS // 32
 
 # The largest tensor compiler/flags.py flags (its contract there; kinds size scratch for it). A
 # linear reader polls its 16-byte vectors up to four a thread in flight (linear/sm90.cuh

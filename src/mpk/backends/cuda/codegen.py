@@ -39,7 +39,7 @@ TEMPLATE = CSRC_DIR / "megakernel.cu.in"
 # Bump when Params, the error buffer or the exported host functions change meaning.
 ABI_VERSION = 5  # 2: Params.profile; 3: tensor-parallel peers; 4: warp roles, weight pages;
 # 5: flagged activations (record POLLED, the params' flag entries)
-NUM_THREADS = 256  # consumer threads: what a task runs on (the runtime adds a producer warpgroup)
+NUM_THREADS = base.TASK_THREADS  # what a task runs on (the runtime adds a producer warpgroup)
 RUNTIME_THREADS = NUM_THREADS + 128
 PAGE_BYTES = base.PAGE_BYTES
 MAX_PAGES = 12

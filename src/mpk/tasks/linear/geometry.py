@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mpk.tasks.base import PAGE_BYTES, split_bounds
+from mpk.tasks.base import PAGE_BYTES, TASK_WARPS, split_bounds
 
 ROWS = 8  # rows per row group
 UNIT_K = 32  # k per unit
@@ -43,7 +43,7 @@ PAGE_UNITS = PAGE_BYTES // UNIT_BYTES  # 32
 LANE_KPAIRS = (0, 2, 1, 3)
 # The k order of a unit's rows in the stream: lane word order within each 8 k.
 _UNIT_K_ORDER = [8 * t + 2 * p + e for t in range(UNIT_K // 8) for p in LANE_KPAIRS for e in (0, 1)]
-WARPS = 8  # consumer warps; a block of 8 row groups gives each warp one row group
+WARPS = TASK_WARPS  # a block of 8 row groups gives each warp one row group
 BLOCK_SIZES = (8, 4, 2, 1)
 MAX_RUNS = 3  # (page count, bytes) runs of a task's stream (record.STREAM_RUNS)
 

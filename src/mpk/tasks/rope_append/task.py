@@ -26,12 +26,11 @@ import torch
 
 from mpk.dtypes import DType
 from mpk.tasks.attention.task import MAX_HEAD_DIM, rope_rotate
-from mpk.tasks.base import Access, OpView, OperandSpec, Param, TaskCost, TaskKind, Tile
+from mpk.tasks.base import TASK_WARPS, Access, OperandSpec, OpView, Param, TaskCost, TaskKind, Tile
 from mpk.tasks.numerics import bf16, rmsnorm_rows
 from mpk.tasks.registry import register
 from mpk.tensors import Role
 
-CUDA_WARPS = 8  # sm90.cuh: the task's warps (NUM_THREADS / 32)
 ROW_VECS = 6  # a row's vectors a lane group loads at once (sm90.cuh kRowVecs: ROPE_ROW_VECS)
 
 
@@ -222,6 +221,6 @@ class RopeAppend(TaskKind):
         qkv tile fewer (perf-log, thirty-fifth session)."""
         p = self.param_values(op)
         lanes = -(-int(p["head_dim"]) // 8)
-        groups = CUDA_WARPS * max(1, 32 // lanes)
+        groups = TASK_WARPS * max(1, 32 // lanes)
         rounds = -(-(int(p["group"]) + 2) // ROW_VECS)
         return 2 + -(-block // groups) * rounds
