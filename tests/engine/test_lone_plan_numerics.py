@@ -9,7 +9,7 @@ agree on:
              that meet a row group, the accumulator chain each unit goes to: geometry.py,
              sm90.cuh) and xc, the k per staged chunk (chunks are added in fp32 one after the
              other; the fused rmsnorm's sums of squares too): every linear param but the batch;
-  attention  the KV split count (a split's positions, then attention_merge's sum over splits);
+  attention  the KV split count (a split's positions, then the last split's sum over splits);
              not its query-head parts (a head's arithmetic is its own: tasks/attention).
 Every other kind computes a row the same way in a plan of any batch: the batch only decides how
 many rows a task takes or which task takes a row (rmsnorm: a row's sum in a fixed warp order;
@@ -55,7 +55,7 @@ def numerics(views: list[OpView]) -> dict[str, Any]:
     """Per op: what sets the order of its rows' sums (module doc); the other kinds by name."""
     out: dict[str, Any] = {}
     for view in views:
-        if view.kind in ("linear", "attention", "attention_merge"):
+        if view.kind in ("linear", "attention"):
             params = dict(get_kind(view.kind).param_values(view))
             params.pop("batch", None)
             parts = params.pop("parts", 1)
@@ -120,9 +120,8 @@ def test_a_serving_engine_builds_its_lone_plan_to_round_as_its_slots(model: str)
 
 
 def attention_plan(graph: Graph, num_sms: int) -> Plan:
-    """Layer 0's attention ops of `graph` (and the merge, with KV splits) alone, its qkv an
-    input."""
-    ops = [op for op in graph.ops if op.name in ("layers.0.attention", "layers.0.attn_merge")]
+    """Layer 0's attention op of `graph` alone, its qkv an input."""
+    ops = [op for op in graph.ops if op.name == "layers.0.attention"]
     sub = Graph()
     for name in sorted({t for op in ops for _, t in op.operands}):
         t = graph.tensors[name]

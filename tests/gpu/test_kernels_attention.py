@@ -64,15 +64,14 @@ def attention_problem(group: int, d: int, splits: int, lengths=(1, 17, 300), ste
               "v_cache": randn(cache, torch.bfloat16, g)}
     if qk_norm:
         add_qk_norms(graph, inputs, operands, d, g)
-    if splits == 1:
-        graph.add_tensor("o", (batch, kv_heads * group * d), BF16, Role.ACTIVATION)
-        operands["out"] = "o"
-        outputs = ["o"]
-    else:
+    graph.add_tensor("o", (batch, kv_heads * group * d), BF16, Role.ACTIVATION)
+    operands["out"] = "o"
+    outputs = ["o"]
+    if splits > 1:  # the splits' partials too (the last split merges them into o)
         graph.add_tensor("po", (batch, kv_heads, splits, group * d), F32, Role.ACTIVATION)
         graph.add_tensor("pl", (batch, kv_heads, splits, group), F32, Role.ACTIVATION)
         operands.update(part_o="po", part_lse="pl")
-        outputs = ["po", "pl"]
+        outputs += ["po", "pl"]
     graph.add_op("attention", "attn", (kv_heads * parts, batch, splits), operands=operands)
     return graph, inputs, outputs
 
@@ -165,9 +164,18 @@ def test_attention_steps_and_long():
     attention_case(4, 128, 4, lengths=(2000, 33), steps=2, seed=3)
 
 
-def test_attention_row_outside_the_rope_table():
-    """A row whose position is past the rope table attends to nothing and appends nothing."""
-    attention_case(2, 64, 1, lengths=(5, 40), max_pos=32, seed=9)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_attention_row_outside_the_rope_table(splits):
+    """A row whose position is past the rope table attends to nothing and appends nothing
+    (with splits: every split's partials empty, and the merge's out zeros)."""
+    attention_case(2, 64, splits, lengths=(5, 40), max_pos=32, seed=9)
+
+
+def test_attention_sixteen_splits_over_three_steps():
+    """The most KV splits an op may have (task.py MAX_SPLITS), a group of 8: the merging split
+    stages 16 x 8 x 129 f32 words; three steps, so each (row, head)'s arrival counter completes
+    three times and a different split may merge each time."""
+    attention_case(8, 128, 16, lengths=(1, 200, 700), steps=3, seed=16)
 
 
 @pytest.mark.parametrize("splits", [1, 3])

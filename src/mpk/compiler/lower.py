@@ -56,11 +56,12 @@ def compile_graph(graph: Graph, num_sms: int = DEFAULT_NUM_SMS, *, fuse_ops: boo
     instrs, lengths = _records(ops, counters, sched, tensor_ids, kinds, graph, num_sms, layouts,
                                stream_ids, flags)
     check_deadlock_free(instrs, lengths, len(counters.counts))
+    counts, arrivals = _arrival_counters(ops, counters.counts)
     plan = Plan(
         num_sms=num_sms, kinds=kinds, tensors=tensors,
         ops=tuple(_plan_op(op, tensor_ids) for op in ops),
-        op_params=_op_params(ops, flags), instrs=instrs, lengths=lengths,
-        counter_counts=np.array(counters.counts, dtype=np.int32), arena_bytes=arena,
+        op_params=_op_params(ops, flags, arrivals), instrs=instrs, lengths=lengths,
+        counter_counts=np.array(counts, dtype=np.int32), arena_bytes=arena,
         scratch_bytes=_scratch_bytes(ops), streams=streams,
         constants=_cuda_constants(ops, flags.tensors),
     )
@@ -106,13 +107,29 @@ def _scratch_bytes(ops: list[TiledOp]) -> int:
     return max(SCRATCH_ROUND, -(-need // SCRATCH_ROUND) * SCRATCH_ROUND)
 
 
-def _op_params(ops: list[TiledOp], flags: Flags) -> np.ndarray:
+def _arrival_counters(ops: list[TiledOp], counts: list[int]
+                      ) -> tuple[list[int], dict[int, int]]:
+    """The dependency counters' counts followed by each op's arrival counters (TaskKind.arrivals:
+    one per group, counting the group's tasks a step, as a dependency counter counts its
+    signallers), and the first arrival counter of each op that has them."""
+    counts, first = list(counts), {}
+    for op in ops:
+        arrivals = op.kind.arrivals(op.view)
+        if arrivals is not None:
+            groups, per_group = arrivals
+            first[op.index] = len(counts)
+            counts.extend([per_group] * groups)
+    return counts, first
+
+
+def _op_params(ops: list[TiledOp], flags: Flags, arrivals: dict[int, int]) -> np.ndarray:
     table = np.zeros((len(ops), record.PARAM_WORDS), dtype=np.int32)
     for i, op in enumerate(ops):
         words = op.kind.param_words(op.view)
-        if len(words) > record.FLAG_PARAMS:
-            raise AssertionError(f"{op.kind.name} has more than {record.FLAG_PARAMS} params")
+        if len(words) > record.KIND_PARAMS:
+            raise AssertionError(f"{op.kind.name} has more than {record.KIND_PARAMS} params")
         table[i, : len(words)] = words
+        table[i, record.ARRIVALS_PARAM] = arrivals.get(op.index, -1)
         table[i, record.FLAG_PARAMS:] = flags.entries.get(op.index, (0,) * record.FLAG_ENTRIES)
     return table
 

@@ -41,6 +41,11 @@ END = 70
 # params take the words before them.
 FLAG_ENTRIES = 4
 FLAG_PARAMS = PARAM_WORDS - FLAG_ENTRIES
+# The word before them is the compiler's too: the first of the op's arrival counters
+# (TaskKind.arrivals; counters the tasks add to themselves), -1 when the op has none. A kind's
+# own params take the KIND_PARAMS words before it.
+ARRIVALS_PARAM = FLAG_PARAMS - 1
+KIND_PARAMS = ARRIVALS_PARAM
 
 WAIT_STRIDE = 3
 OPERAND_STRIDE = 3

@@ -215,10 +215,11 @@ def _attention_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: in
 def _attention(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int, p: str,
                layer: int, kvh: int) -> None:
     b, group, d = shape.batch, cfg.group, cfg.head_dim
-    # Split the KV range only when contexts can be long: each split adds a merge phase, which
-    # costs more than it saves below a few hundred positions per (row, KV head). The count sets
-    # the order of a row's softmax sums (a split's positions, then the merge's sum over the
-    # splits), so it is the numerics batch's; the grid's rows stay this plan's.
+    # Split the KV range only when contexts can be long: the merge (by the split that arrives
+    # last: tasks/attention) costs more than the split saves below a few hundred positions per
+    # (row, KV head). The count sets the order of a row's softmax sums (a split's positions,
+    # then the merge's sum over the splits), so it is the numerics batch's; the grid's rows stay
+    # this plan's.
     splits = max(1, min(16, num_sms // (kvh * shape.numerics_rows), shape.max_pages,
                         -(-shape.max_seq_len // SPLIT_POSITIONS)))
     ops = {"qkv": p + "qkv", "rope": "rope", "positions": io.POSITIONS, "runs": io.RUNS,
@@ -235,9 +236,8 @@ def _attention(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int, p: 
     g.add_tensor(p + "part_o", (b, kvh, splits, group * d), F32, Role.ACTIVATION)
     g.add_tensor(p + "part_lse", (b, kvh, splits, group), F32, Role.ACTIVATION)
     g.add_op("attention", p + "attention", (kvh, b, splits),
-             {**ops, "part_o": p + "part_o", "part_lse": p + "part_lse"}, eps=cfg.rms_eps)
-    g.add_op("attention_merge", p + "attn_merge", (kvh, b, 1),
-             {"part_o": p + "part_o", "part_lse": p + "part_lse", "out": p + "attn"})
+             {**ops, "part_o": p + "part_o", "part_lse": p + "part_lse", "out": p + "attn"},
+             eps=cfg.rms_eps)
 
 
 def _query_parts(group: int, tasks: int, num_sms: int) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -177,6 +177,9 @@ class Tile:
     views: dict[str, torch.Tensor]
     step: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    # Adds this task's arrival to its group's counter (TaskKind.arrivals) and says whether it was
+    # the group's last this step; set by the interpreter for kinds with arrivals.
+    arrive: Callable[[], bool] | None = None
 
     def __getitem__(self, operand: str) -> torch.Tensor:
         return self.views[operand]
@@ -277,6 +280,20 @@ class TaskKind:
         every path, even one that computes nothing: the compiler lets its counter waits go
         (record.POLLED) on the strength of those polls. Default: none."""
         return frozenset()
+
+    def arrivals(self, op: OpView) -> tuple[int, int] | None:
+        """(groups, tasks per group) when the op's tasks meet on counters of their own: each task
+        adds one to its group's (Tile.arrive; on the GPU an atomic add on the launch's counters
+        at index params[ARRIVALS_PARAM] + group, after a release fence) and the one whose add
+        completes the group's count this step does the group's closing work (attention: the
+        merge of its KV splits). The compiler places the counters after the dependency
+        counters (zeroed once, monotonic: after step g a group's holds (g + 1) * tasks). No
+        record waits on them. Default: None."""
+        return None
+
+    def arrival_group(self, op: OpView, point: tuple[int, int, int]) -> int:
+        """The group (0 .. groups - 1) whose counter the task at `point` adds to (arrivals)."""
+        raise NotImplementedError
 
     def stream_layout(self, op: OpView) -> StreamLayout | None:
         """The op's weight stream, or None when its tasks read weights from global memory."""

@@ -11,6 +11,7 @@ import random
 import weakref
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from mpk.backends.cpu.orders import ORDERS, Counters, free_order, per_sm_order
@@ -116,7 +117,8 @@ class CpuExecutor:
                 point = tuple(int(x) for x in rec[record.POINT: record.POINT + 3])
                 extra = self.tile_extra(task, views[task]) if self.tile_extra else {}
                 tile = Tile(self._op_views[int(rec[record.OP])], point,  # type: ignore[arg-type]
-                            views[task], step, extra)
+                            views[task], step, extra,
+                            self._arrival(rec, point, self.step_begin + step))
                 self._kinds[int(rec[record.KIND])].reference(tile)
         finally:
             torch.set_num_threads(threads)
@@ -129,6 +131,18 @@ class CpuExecutor:
             return free_order(self.plan, self.counters, self.step_begin, num_steps, prio)
         rng = self.rng if self.order == "random" else None
         return per_sm_order(self.plan, self.counters, self.step_begin, num_steps, rng)
+
+    def _arrival(self, rec: np.ndarray, point: tuple[int, int, int],
+                 gstep: int) -> Callable[[], bool] | None:
+        """Tile.arrive for a task of an op with arrival counters (TaskKind.arrivals)."""
+        op = int(rec[record.OP])
+        first = int(self.plan.op_params[op, record.ARRIVALS_PARAM])
+        if first < 0:
+            return None
+        kind = self._kinds[int(rec[record.KIND])]
+        counter = first + kind.arrival_group(self._op_views[op], point)
+        count = int(self.plan.counter_counts[counter])
+        return lambda: self.counters.arrive(counter, count, gstep)
 
     def _spec(self, name: str):
         try:

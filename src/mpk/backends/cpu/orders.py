@@ -33,6 +33,12 @@ class Counters:
                 return c
         return None
 
+    def arrive(self, counter: int, count: int, gstep: int) -> bool:
+        """A task's own add to an arrival counter (TaskKind.arrivals): was it the last of the
+        `count` a step that global step `gstep` needs?"""
+        self.value[counter] += 1
+        return bool(self.value[counter] == record.wait_target(count, 0, gstep))
+
     def signal(self, rec: np.ndarray) -> list[int]:
         out = record.decode_signals(rec)
         for c in out:

@@ -172,9 +172,9 @@ def kind_block(kind_id: int, name: str, constants: Mapping[str, int] | None = No
     if len(kind.operands) > record.MAX_OPERANDS:
         raise CompileError(f"task kind {name!r} has {len(kind.operands)} operands; records hold "
                            f"at most {record.MAX_OPERANDS}")
-    if len(kind.params) > record.PARAM_WORDS:
+    if len(kind.params) > record.KIND_PARAMS:
         raise CompileError(f"task kind {name!r} has {len(kind.params)} params; op rows hold at "
-                           f"most {record.PARAM_WORDS}")
+                           f"most {record.KIND_PARAMS}")
     lines = [f"inline constexpr int {key} = {constants.get(key, value)};"
              for key, value in sorted(kind.cuda_defaults.items())]
     lines += [f"namespace mpk::kinds::{name} {{", f"inline constexpr int KIND_ID = {kind_id};",

@@ -10,8 +10,8 @@
 //   page_table tile = page_table[b0, 0] (row stride max_pages), positions tile = positions + b0,
 //   runs tile = runs[b0, 0] (or null)
 //   out tile = out[b0, (h0*G + q0)*D]: (bb, hh, g, d) at + (bb*KVH + hh)*G*D + g*D + d
-//   part_o tile = part_o[b0, h0, s, 0]: (bb, hh, g, d) at + (bb*KVH + hh)*S*G*D + g*D + d
-//   part_lse tile = part_lse[b0, h0, s, 0]: (bb, hh, g) at + (bb*KVH + hh)*S*G + g
+//   part_o tile = part_o[b0, h0, 0, 0]: (bb, hh, s, g, d) at + ((bb*KVH + hh)*S + s)*G*D + g*D + d
+//   part_lse tile = part_lse[b0, h0, 0, 0]: (bb, hh, s, g) at + ((bb*KVH + hh)*S + s)*G + g
 //
 // Prologue (before the waits: task.py prologue_operands): the row's position and split range,
 // the page-table slice, the RoPE table rows of this step's positions and the norm weights go to
@@ -36,6 +36,8 @@
 //     2r..2r+1 of a 16-d tail) and builds A fragments with byte permutes; P goes through a 512-byte per-warp transpose, split into bf16 hi + lo parts (two
 //     MMAs) so that P keeps ~16 bits (the reference multiplies fp32 probabilities).
 //   Warps take 16-position blocks round-robin; their (m, l, O) states merge in smem in warp order.
+// Several splits (S > 1): each writes its partials, then arrives on its (row, KV head)'s counter;
+// the last to arrive merges every split's partials into out (merge_splits).
 // head_dim: any multiple of 16 up to 256 (task.py checks); DMAX = 128 or 256 sizes the registers.
 #pragma once
 #include <cuda_bf16.h>
@@ -446,7 +448,7 @@ __device__ __forceinline__ void attend(const mpk::TaskArgs& a, const Ctx& c, con
     return lsum > 0.f ? osum / lsum : 0.f;
   };
   const long long head0 = (((long long)bb * c.KVH + hh) * c.G + g0) * D;  // out's element
-  if (c.out_ep) {  // flagged out: one word per pair of columns
+  if (c.out_ep && c.S == 1) {  // flagged out: one word per pair of columns
     const int half = D / 2;
     dev::flag_word* words = dev::flag_operand<dev::flag_word>(a, O_OUT) + head0 / 2;
     for (int idx = tid; idx < ng * half; idx += NUM_THREADS) {
@@ -466,9 +468,10 @@ __device__ __forceinline__ void attend(const mpk::TaskArgs& a, const Ctx& c, con
       if (c.S == 1) {
         c.out[head0 + (long long)g * D + d] = dev::to_bf16(val);
       } else {
-        c.po[((long long)bb * c.KVH + hh) * c.S * c.G * D + (long long)(g0 + g) * D + d] = val;
+        c.po[(((long long)bb * c.KVH + hh) * c.S + s) * c.G * D + (long long)(g0 + g) * D + d] =
+            val;
         if (d == 0)
-          c.plse[((long long)bb * c.KVH + hh) * c.S * c.G + g0 + g] =
+          c.plse[(((long long)bb * c.KVH + hh) * c.S + s) * c.G + g0 + g] =
               lsum > 0.f ? (mstar + __log2f(lsum)) * kLn2 : -__int_as_float(0x7f800000);
       }
     }
@@ -509,10 +512,11 @@ __device__ __forceinline__ bool row_range(const Ctx& c, const Layout& L, int s, 
   return true;
 }
 
-// A row outside the rope table: zeros (or empty partials), nothing appended.
-__device__ __forceinline__ void write_empty(const mpk::TaskArgs& a, const Ctx& c, int bb, int hh) {
+// A row outside the rope table: zeros (or split s's empty partials), nothing appended.
+__device__ __forceinline__ void write_empty(const mpk::TaskArgs& a, const Ctx& c, int bb, int hh,
+                                            int s) {
   const int GD = c.GP * c.D;  // S > 1: GP = G
-  if (c.out_ep) {
+  if (c.out_ep && c.S == 1) {
     dev::flag_word* words =
         dev::flag_operand<dev::flag_word>(a, O_OUT) + ((long long)bb * c.KVH + hh) * GD / 2;
     for (int idx = threadIdx.x; idx < GD / 2; idx += NUM_THREADS)
@@ -523,10 +527,76 @@ __device__ __forceinline__ void write_empty(const mpk::TaskArgs& a, const Ctx& c
     if (c.S == 1) {
       c.out[((long long)bb * c.KVH + hh) * GD + idx] = dev::to_bf16(0.f);
     } else {
-      c.po[((long long)bb * c.KVH + hh) * c.S * GD + idx] = 0.f;
+      c.po[(((long long)bb * c.KVH + hh) * c.S + s) * GD + idx] = 0.f;
       if (idx < c.GP)
-        c.plse[((long long)bb * c.KVH + hh) * c.S * c.G + idx] = -__int_as_float(0x7f800000);
+        c.plse[(((long long)bb * c.KVH + hh) * c.S + s) * c.G + idx] = -__int_as_float(0x7f800000);
     }
+  }
+}
+
+// S > 1: this split's partials are stored; add its arrival to the (row, KV head)'s counter
+// (task.py arrivals: mpk::launch_counters from params[ARRIVALS_PARAM], monotonic: S a step).
+// True in every thread of the split whose add was the step's S-th, which may then read every
+// split's partials: each split stored its own before its release (the barrier, then thread
+// 0's fence and add), and thread 0 of this one acquires them (its fence after the add) before
+// the barrier that lets the others load.
+__device__ __forceinline__ bool last_arrival(const mpk::TaskArgs& a, const Ctx& c) {
+  mpk::task_sync();  // every thread's partials are stored
+  bool last = false;
+  if (threadIdx.x == 0) {
+    unsigned long long* counter =
+        mpk::launch_counters + a.i(REC_ARRIVALS_PARAM) + (long long)c.row * c.KVH + a.point(0);
+    ptx::fence_acq_rel_gpu();
+    const unsigned long long old = ptx::atom_relaxed_add_u64(counter, 1ull);
+    // The step's adds take the S values up to (g + 1) * S; compared modulo 2^32 (gstep is the
+    // global step's low 32 bits) they stay distinct, so the test is exact.
+    last = (uint32_t)old + 1u == (a.gstep + 1u) * (uint32_t)c.S;
+    if (last) ptx::fence_acq_rel_gpu();
+  }
+  return mpk::task_sync_or(last);
+}
+
+// The last split's merge (in split order, so the value does not depend on which split came
+// last): out = sum_s exp(lse_s - lse) * o_s, lse = log(sum_s exp(lse_s)); an empty split
+// (lse = -inf) weighs 0, an all-empty head gives 0. Every split's partials come to shared memory
+// first (from byte 0: attend's regions are free; task.py scratch_bytes holds them), all copies
+// in flight together (one L2 round trip; held in registers they spilled the kernel). Then a
+// thread takes 4 columns of one query head; a flagged out gets two words.
+__device__ __forceinline__ void merge_splits(const mpk::TaskArgs& a, const Ctx& c) {
+  const int GD = c.G * c.D, SG = c.S * c.G;  // S > 1: GP = G, q0 = 0
+  float* so = reinterpret_cast<float*>(a.smem);  // [S][GD]
+  float* sl = so + c.S * GD;                     // [S][G]
+  for (int i = threadIdx.x; i < c.S * GD / 4; i += NUM_THREADS)
+    dev::cp_async_act16(so + 4 * i, c.po + 4 * i);
+  dev::cp_async_commit();
+  for (int i = threadIdx.x; i < SG; i += NUM_THREADS) sl[i] = dev::ld_act_f32(c.plse + i);
+  dev::cp_async_wait_all();
+  mpk::task_sync();
+  const float ninf = -__int_as_float(0x7f800000);
+  for (int j = 4 * threadIdx.x; j < GD; j += 4 * NUM_THREADS) {
+    const float* lse = sl + j / c.D;
+    float m = ninf;
+    for (int s = 0; s < c.S; ++s) m = fmaxf(m, lse[s * c.G]);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (m != ninf && m == m) {
+      float sum = 0.f;
+      for (int s = 0; s < c.S; ++s) sum += expf(lse[s * c.G] - m);
+      const float total = m + logf(sum);
+      for (int s = 0; s < c.S; ++s) {
+        const float w = expf(lse[s * c.G] - total);
+        const float4 v = *reinterpret_cast<const float4*>(so + s * GD + j);
+        acc.x = fmaf(v.x, w, acc.x);
+        acc.y = fmaf(v.y, w, acc.y);
+        acc.z = fmaf(v.z, w, acc.z);
+        acc.w = fmaf(v.w, w, acc.w);
+      }
+    }
+    const uint32_t lo = dev::pack_bf16x2(acc.x, acc.y), hi = dev::pack_bf16x2(acc.z, acc.w);
+    if (c.out_ep)
+      dev::st_flag2(dev::flag_operand<dev::flag_word>(a, O_OUT) + j / 2,
+                    dev::make_flag_word(lo, c.out_ep), dev::make_flag_word(hi, c.out_ep));
+    else
+      *reinterpret_cast<uint2*>(c.out + j) = make_uint2(lo, hi);
   }
 }
 
@@ -632,7 +702,8 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
     mpk::task_sync();
   }
   if (!st.valid) {
-    write_empty(a, c, 0, 0);
+    write_empty(a, c, 0, 0, a.point(2));
+    if (ATTN_MERGES && c.S > 1 && last_arrival(a, c)) merge_splits(a, c);
     return;
   }
   const Range& R = st.R;
@@ -643,6 +714,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   // registers; one instantiation per build keeps the smaller heads' register budget.
   for (int g0 = 0; g0 < c.GP; g0 += 8)
     attend<ATTN_MAX_HEAD_DIM>(a, c, L, a.smem, 0, 0, g0, a.point(2), R);
+  if (ATTN_MERGES && c.S > 1 && last_arrival(a, c)) merge_splits(a, c);
 }
 
 }  // namespace mpk::kinds::attention

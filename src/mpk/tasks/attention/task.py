@@ -16,9 +16,13 @@ Per row b, p = positions[b] + step * w, L = p + 1:
      slot p % page_size); every split reads only its own positions, and positions p-i .. p come
      from step 1, so no task reads a position another task of this step writes.
   3. split s (grid axis 2, S splits) attends to positions [s*c, min(L, (s+1)*c)), c = ceil(L/S)
-     (a position whose page entry is outside the pool is masked out): with one split it writes
-     the normalised out [B, KVH*G*D] bf16; with several, fp32 partials part_o [B, KVH, S, G*D]
-     and part_lse [B, KVH, S, G] (natural-log sum-exp, -inf when empty) for attention_merge.
+     (a position whose page entry is outside the pool is masked out) and writes the normalised
+     out [B, KVH*G*D] bf16. With several splits (at most MAX_SPLITS), split s writes fp32
+     partials part_o[b, h, s] [G*D] and part_lse[b, h, s] [G] (natural-log sum-exp, -inf when
+     empty), then adds one to its (row, KV head)'s arrival counter (TaskKind.arrivals); the
+     split whose add is the S-th of the step merges: out = sum_s exp(lse_s - lse) * o_s,
+     lse = log(sum_s exp(lse_s)), in split order, so the value does not depend on which split
+     came last. (A merge op after the splits was one more dependent phase a layer.)
 A row whose p is outside [0, max_pos) writes nothing to the caches and attends to nothing.
 Grid: (KVH * P, B, S), one KV head of one row per task, or with P > 1 query-head parts (one
 split only) P tasks per KV head and row: part j (grid point h * P + j) prepares its G / P query
@@ -50,6 +54,8 @@ SMALL_HEAD_DIM = 128
 # against a counted hand-off (H100, three rounds, perf-log thirtieth session), where the same
 # size of the hidden stream, written by linears, polled by qkv and gate_up, gained 1.5% at b16.
 FLAGGED_OUT_MAX_BYTES = 16 * 1024
+# KV splits an op may have: the merging split stages every split's partials in shared memory.
+MAX_SPLITS = 16
 
 
 def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -72,14 +78,18 @@ class Attention(TaskKind):
         OperandSpec("k_cache", Access.READ_WRITE),
         OperandSpec("v_cache", Access.READ_WRITE),
         OperandSpec("out", Access.WRITE, optional=True),
-        OperandSpec("part_o", Access.WRITE, optional=True),
-        OperandSpec("part_lse", Access.WRITE, optional=True),
+        # With several splits: read back by the split that merges (each task's box is its
+        # (row, KV head)'s every split; a task writes only its own split's part).
+        OperandSpec("part_o", Access.READ_WRITE, optional=True),
+        OperandSpec("part_lse", Access.READ_WRITE, optional=True),
         OperandSpec("runs", Access.READ, optional=True),
     )
     # Each batch row appends its own position (rows that share pages form a run and hold
     # distinct positions) and a split writes only the position it attends to, so tasks' cache
-    # writes never meet at run time although their boxes (all pages of the head) overlap.
-    disjoint_writes = ("k_cache", "v_cache")
+    # writes never meet at run time although their boxes (all pages of the head) overlap. With
+    # several splits, a task writes its own split's partials, and only the merging one writes
+    # out (its boxes: the (row, KV head)'s, in every split).
+    disjoint_writes = ("k_cache", "v_cache", "part_o", "part_lse", "out")
     # The CUDA prologue stages the row's position, its page-table slice, the RoPE rows and the
     # norm weights while the task waits for qkv: only the host and the bind write these.
     prologue_operands = ("positions", "runs", "page_table", "rope", "q_norm", "k_norm")
@@ -89,7 +99,9 @@ class Attention(TaskKind):
               Param("has_qk_norm"), Param("eps", is_float=True), Param("parts"))
     attrs = {"scale": 0.0, "eps": 1e-6}  # scale 0 means head_dim ** -0.5
     # sm90.cuh sizes its register arrays for heads up to this: 128, or 256 when a plan needs it
-    cuda_defaults = {"ATTN_MAX_HEAD_DIM": SMALL_HEAD_DIM}
+    # ATTN_MERGES: 1 when an op of the plan has several KV splits (else the merge compiles out:
+    # its code beside one-split plans' changed their register allocation)
+    cuda_defaults = {"ATTN_MAX_HEAD_DIM": SMALL_HEAD_DIM, "ATTN_MERGES": 0}
 
     def flag_operands(self, op: OpView) -> frozenset[str]:
         # qkv's words of the task's KV head (every row) are polled into the warps' output
@@ -108,7 +120,8 @@ class Attention(TaskKind):
     def cuda_constants(self, op: OpView, flagged: frozenset[str] = frozenset()
                        ) -> dict[str, int]:
         d = op.shape("k_cache")[3]
-        return {"ATTN_MAX_HEAD_DIM": SMALL_HEAD_DIM if d <= SMALL_HEAD_DIM else MAX_HEAD_DIM}
+        return {"ATTN_MAX_HEAD_DIM": SMALL_HEAD_DIM if d <= SMALL_HEAD_DIM else MAX_HEAD_DIM,
+                "ATTN_MERGES": int(op.grid[2] > 1)}
 
     def default_splits(self, grid, tensors):
         # With query-head parts, grid axis 0 does not cut qkv and the caches into equal tiles
@@ -120,8 +133,8 @@ class Attention(TaskKind):
                 "v_cache": (None if whole else 2, None, None),
                 "page_table": (None, 0, None), "positions": (None, 0, None),
                 "runs": (None, 0, None),
-                "out": (1, 0, None), "part_o": (None if whole else 1, 0, 2),
-                "part_lse": (None if whole else 1, 0, 2)}  # parts: one split only (check)
+                "out": (1, 0, None), "part_o": (None if whole else 1, 0, None),
+                "part_lse": (None if whole else 1, 0, None)}  # parts: one split only (check)
 
     def check(self, op: OpView) -> None:
         num_pages, page_size, kv_heads, head_dim = op.shape("k_cache")
@@ -180,21 +193,36 @@ class Attention(TaskKind):
     def _check_outputs(self, op: OpView, batch: int, kv_heads: int, group: int,
                        head_dim: int, parts: int) -> None:
         splits = op.grid[2]
+        if not op.has("out"):
+            raise op.error("give 'out'")
+        op.expect_shape("out", (batch, kv_heads * group * head_dim))
+        op.expect_dtype("out", DType.BF16)
+        if op.axis_of("out", 1) != 0:
+            raise op.error(f"out's columns are cut by grid axis 0, got {op.splits['out']}")
+        op.expect_same_split("out", 0, "positions", 0)
         if splits == 1:
-            if not op.has("out") or op.has("part_o") or op.has("part_lse"):
-                raise op.error("with one KV split give 'out' (and no partials)")
-            op.expect_shape("out", (batch, kv_heads * group * head_dim))
-            op.expect_dtype("out", DType.BF16)
-            if op.axis_of("out", 1) != 0:
-                raise op.error(f"out's columns are cut by grid axis 0, got {op.splits['out']}")
-            op.expect_same_split("out", 0, "positions", 0)
+            if op.has("part_o") or op.has("part_lse"):
+                raise op.error("with one KV split give no partials ('part_o', 'part_lse')")
             return
-        if op.has("out") or not (op.has("part_o") and op.has("part_lse")):
-            raise op.error("with several KV splits give 'part_o' and 'part_lse' (no 'out')")
+        if splits > MAX_SPLITS:
+            raise op.error(f"{splits} KV splits: at most {MAX_SPLITS} are supported")
+        if not (op.has("part_o") and op.has("part_lse")):
+            raise op.error("with several KV splits give 'part_o' and 'part_lse' too (the "
+                           "splits' partials, which the last split merges into 'out')")
         op.expect_shape("part_o", (batch, kv_heads, splits, group * head_dim))
         op.expect_shape("part_lse", (batch, kv_heads, splits, group))
-        op.expect_dtype("part_o", DType.F32)
-        op.expect_dtype("part_lse", DType.F32)
+        for name in ("part_o", "part_lse"):
+            op.expect_dtype(name, DType.F32)
+            op.expect_unsplit(name, 2, 3)  # the merging split reads every split's part
+            op.expect_same_split(name, 0, "positions", 0)
+            op.expect_same_split(name, 1, "k_cache", 2)
+
+    def arrivals(self, op: OpView) -> tuple[int, int] | None:
+        # One counter a (row, KV head): its S splits arrive, the last merges.
+        return (op.grid[0] * op.grid[1], op.grid[2]) if op.grid[2] > 1 else None
+
+    def arrival_group(self, op: OpView, point: tuple[int, int, int]) -> int:
+        return point[1] * op.grid[0] + point[0]  # sm90.cuh: row * KV heads + head
 
     def param_values(self, op: OpView) -> dict[str, int | float]:
         num_pages, page_size, kv_heads, head_dim = op.shape("k_cache")
@@ -221,13 +249,16 @@ class Attention(TaskKind):
         # sm90.cuh's Layout: per-warp (m, l, O) states, a block's keys per warp (heads up to
         # 128: kStageKeys), the P transposes, the prepared queries, this step's keys and values
         # (up to one per batch row: a run's width), the per-warp RoPE buffers, the prologue's
-        # setup, RoPE rows (one per batch row) and norm weights, >= 1024 page-table entries
+        # setup, RoPE rows (one per batch row) and norm weights, >= 1024 page-table entries;
+        # with several splits at least the merge's staged partials (every split's o and lse)
         d = op.shape("k_cache")[3]
         group, batch = self.param_values(op)["group"], op.shape("qkv")[0]
         keys = 8 * 16 * d * 2 if d <= SMALL_HEAD_DIM else 0
-        return (8 * 8 * d * 4 + keys + 2 * 8 * 8 * 4 + 8 * 2 * 8 * 16 * 2
-                + -(-group * d * 2 // 16) * 16
-                + 2 * batch * d * 2 + 8 * d * 4 + 64 + batch * d * 4 + 2 * d * 4 + 4096)
+        layout = (8 * 8 * d * 4 + keys + 2 * 8 * 8 * 4 + 8 * 2 * 8 * 16 * 2
+                  + -(-group * d * 2 // 16) * 16
+                  + 2 * batch * d * 2 + 8 * d * 4 + 64 + batch * d * 4 + 2 * d * 4 + 4096)
+        splits = op.grid[2]
+        return max(layout, splits * group * (d + 1) * 4 if splits > 1 else 0)
 
     def reference(self, tile: Tile) -> None:
         p = self.param_values(tile.op)
@@ -237,7 +268,7 @@ class Attention(TaskKind):
         index, width = runs.row_run(tile["runs"][0] if tile.has("runs") else None, row)
         pos = int(tile["positions"][0]) + tile.step * width
         if not 0 <= pos < p["max_pos"]:
-            self._write_empty(tile, heads, group, d, p)
+            self._write_result(tile, None, None, p)
             return
         q, k, v = self._vectors(tile, row, pos, heads, group, d, p)
         # This step's keys and values of the run's rows up to this one, by position.
@@ -256,10 +287,7 @@ class Attention(TaskKind):
             # for other shapes, and the parts must not change a value (the module doc).
             share = group // p["parts"]
             o = o[:, part * share: (part + 1) * share]
-            tile["out"][0].copy_(o.reshape(heads * share * d))
-        else:
-            tile["part_o"][0, :, 0].copy_(o.reshape(heads, group * d))
-            tile["part_lse"][0, :, 0].copy_(lse)
+        self._write_result(tile, o, lse, p)
 
     def _vectors(self, tile: Tile, row: int, pos: int, heads: int, group: int, d: int, p: dict
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -284,12 +312,28 @@ class Attention(TaskKind):
                 tile["k_cache"][page, slot].copy_(k)
                 tile["v_cache"][page, slot].copy_(v)
 
-    def _write_empty(self, tile: Tile, heads: int, group: int, d: int, p: dict) -> None:
+    def _write_result(self, tile: Tile, o: torch.Tensor | None, lse: torch.Tensor | None,
+                      p: dict) -> None:
+        """out from o [heads, G', D] (None: a row outside the rope table, zeros); with several
+        splits this split's partials, merged into out by the split that arrives last."""
         if p["num_splits"] == 1:
-            tile["out"][0].zero_()
+            out = tile["out"][0]
+            if o is None:
+                out.zero_()
+            else:
+                out.copy_(o.reshape(out.shape))
+            return
+        s = tile.point[2]
+        if o is None:
+            tile["part_o"][0, :, s].zero_()
+            tile["part_lse"][0, :, s].fill_(-math.inf)
         else:
-            tile["part_o"][0].zero_()
-            tile["part_lse"][0].fill_(-math.inf)
+            tile["part_o"][0, :, s].copy_(o.reshape(tile["part_o"].shape[1], -1))
+            tile["part_lse"][0, :, s].copy_(lse)
+        if tile.arrive is None:
+            raise AssertionError("attention with several KV splits runs where tasks arrive")
+        if tile.arrive():
+            tile["out"].copy_(merge_splits(tile["part_o"], tile["part_lse"]))
 
     def cost(self, op: OpView) -> TaskCost:
         # Decode attention cost grows with the context; the scheduler assumes 1k positions.
@@ -298,6 +342,17 @@ class Attention(TaskKind):
         batch = op.tile_shape("qkv")[0]
         kv_bytes = batch * 2 * 1024 * -(-heads // op.grid[0]) * d * 2 // op.grid[2]
         return TaskCost(weight_bytes=0, act_bytes=kv_bytes, flops=kv_bytes * 2)
+
+
+def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor) -> torch.Tensor:
+    """out [b, h*G*D] from the splits' partials part_o [b, h, S, G*D] and part_lse [b, h, S, G]:
+    sum_s exp(lse_s - lse) * o_s with lse = log(sum_s exp(lse_s)); an all-empty head gives 0."""
+    b, h, s, width = part_o.shape
+    group = part_lse.shape[-1]
+    total = torch.logsumexp(part_lse, dim=2, keepdim=True)  # [b, h, 1, G]
+    weight = torch.exp(part_lse - total).nan_to_num(0.0)  # an all-empty head: -inf - -inf
+    o = part_o.reshape(b, h, s, group, width // group)
+    return (o * weight[..., None]).sum(dim=2).reshape(b, h * width)
 
 
 def _parts(grid: tuple[int, ...], kv_heads: int) -> int:

@@ -39,6 +39,16 @@ __device__ __forceinline__ void red_relaxed_add_u64(unsigned long long* p, unsig
   asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// Relaxed (strong) add at GPU scope returning the old value: after a release fence, a release
+// pattern; a following acquire fence makes it an acquire pattern too.
+__device__ __forceinline__ unsigned long long atom_relaxed_add_u64(unsigned long long* p,
+                                                                   unsigned long long v) {
+  unsigned long long old;
+  asm volatile("atom.relaxed.gpu.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v)
+               : "memory");
+  return old;
+}
+
 // System-scope acquire load: for flags that a PEER GPU releases (tensor parallelism).
 __device__ __forceinline__ unsigned long long ld_acquire_sys_u64(const unsigned long long* p) {
   unsigned long long v;
@@ -143,6 +153,15 @@ __device__ __forceinline__ int thread_index() {
 // Barrier 1 among the first `threads` threads (the consumer warps); barrier 0 is __syncthreads.
 __device__ __forceinline__ void named_sync(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+// named_sync that also returns, in every thread, whether any thread passed `pred` true.
+__device__ __forceinline__ bool named_sync_or(uint32_t id, uint32_t threads, bool pred) {
+  uint32_t any;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n"
+      " selp.u32 %0, 1, 0, q;\n}"
+      : "=r"(any) : "r"((uint32_t)pred), "r"(id), "r"(threads) : "memory");
+  return any != 0;
 }
 template <uint32_t N>
 __device__ __forceinline__ void setmaxnreg_inc() {

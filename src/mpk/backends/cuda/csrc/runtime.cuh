@@ -560,6 +560,7 @@ extern "C" __global__ void __launch_bounds__(mpk::RUNTIME_THREADS, 1)
   if (tid0 == 0) {
     init_barriers(sh);
     launch_abort = p.abort_flag;
+    launch_counters = p.counters;
   }
   __syncthreads();
   const int warp = tid0 >> 5;

@@ -43,9 +43,16 @@ namespace mpk {
 __shared__ const int* launch_abort;
 __shared__ int running_record;
 __shared__ int gave_up_record;
+// The launch's counters (Params::counters), for kinds with arrival counters (TaskKind.arrivals):
+// read from here, a kind needs no TaskArgs::p (which costs one-split plans registers).
+__shared__ unsigned long long* launch_counters;
 
 // Barrier among the task's NUM_THREADS consumer threads (named barrier 1).
 __device__ __forceinline__ void task_sync() { ptx::named_sync(1, NUM_THREADS); }
+// task_sync that tells every consumer thread whether any of them passed `pred` true.
+__device__ __forceinline__ bool task_sync_or(bool pred) {
+  return ptx::named_sync_or(1, NUM_THREADS, pred);
+}
 
 // One consumer warp's view of its task's weight pages. Pages are visited in order: at(i)
 // waits until page i has landed (releasing the pages before it); finish() releases the rest.

@@ -1,0 +1,91 @@
+"""Arrival counters (TaskKind.arrivals): attention with several KV splits merges them in the
+split whose arrival completes its (row, KV head)'s count, instead of in a merge op after it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpk.backends.cpu.interpreter import CpuExecutor
+from mpk.compiler import record
+from mpk.compiler.lower import compile_graph
+from mpk.errors import GraphError
+from mpk.tasks.attention.task import MAX_SPLITS
+from tests.gpu.test_kernels_attention import attention_problem
+
+KV_HEADS, SPLITS = 2, 4
+
+
+def split_plan(splits: int = SPLITS, steps: int = 3, lengths=(1, 17, 300)):
+    graph, inputs, outputs = attention_problem(2, 64, splits, lengths, steps, kv_heads=KV_HEADS,
+                                               seed=splits)
+    return compile_graph(graph, num_sms=8), inputs
+
+
+def run(plan, inputs, steps: int, launches: int = 1, **order) -> CpuExecutor:
+    ex = CpuExecutor(plan, **order)
+    bound = {name: value.clone() for name, value in inputs.items()}
+    for name, value in bound.items():
+        ex.bind(name, value)
+    for _ in range(launches):
+        ex.run(steps)
+    ex.bound = bound  # keep the inputs alive with the executor
+    return ex
+
+
+def test_the_arrival_counters_follow_the_dependency_counters_and_nothing_waits_on_them() -> None:
+    plan, _ = split_plan()
+    first = int(plan.op_params[0, record.ARRIVALS_PARAM])
+    groups = KV_HEADS * 3  # 3 rows
+    assert first + groups == plan.num_counters
+    assert (plan.counter_counts[first:] == SPLITS).all()
+    live = [plan.instrs[sm, i] for sm in range(plan.num_sms) for i in range(plan.lengths[sm])]
+    waited = {int(c) for rec in live for c, _, _ in record.decode_waits(rec)}
+    signalled = {c for rec in live for c in record.decode_signals(rec)}
+    assert not (waited | signalled) & set(range(first, plan.num_counters))
+
+
+def test_one_split_has_no_arrival_counters() -> None:
+    plan, _ = split_plan(splits=1)
+    assert int(plan.op_params[0, record.ARRIVALS_PARAM]) == -1
+
+
+def test_each_arrival_counter_holds_its_splits_per_step_across_launches() -> None:
+    """Monotonic like the dependency counters: (steps run) x S after every launch."""
+    plan, inputs = split_plan(steps=2)
+    ex = run(plan, inputs, steps=2, launches=2)
+    first = int(plan.op_params[0, record.ARRIVALS_PARAM])
+    assert (ex.counters.value[first:] == 4 * SPLITS).all()
+
+
+def test_the_merge_does_not_depend_on_which_split_arrives_last() -> None:
+    """Free orders with opposite priorities make different splits last; out is the same bits
+    (the merge sums the splits in split order), and no element stays poisoned."""
+    plan, inputs = split_plan(steps=2)
+    outs = []
+    for sign in (1.0, -1.0):
+        ex = run(plan, inputs, steps=2, order="free", priority=lambda t, s=sign: s * t)
+        outs.append(ex.read("o"))
+    assert not torch.isnan(outs[0]).any()
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_a_row_of_empty_splits_merges_to_zeros() -> None:
+    """Length 1 over 4 splits: splits 1-3 attend to nothing (lse -inf); a row past the rope
+    table: every split empty, out zeros."""
+    graph, inputs, _ = attention_problem(2, 64, SPLITS, (1, 40), 1, kv_heads=KV_HEADS,
+                                         max_pos=32, seed=5)
+    ex = run(compile_graph(graph, num_sms=8), inputs, steps=1)
+    lse, out = ex.read("pl"), ex.read("o")
+    assert torch.isinf(lse[0, :, 1:]).all() and torch.isfinite(lse[0, :, 0]).all()
+    assert (out[1] == 0).all() and out[0].abs().sum() > 0
+
+
+def test_too_many_splits_or_no_out_are_refused() -> None:
+    with pytest.raises(GraphError, match=f"at most {MAX_SPLITS}"):
+        attention_problem(2, 64, MAX_SPLITS + 1, (1, 17), 1, kv_heads=KV_HEADS)
+    graph, _, _ = attention_problem(2, 64, SPLITS, (1, 17), 1, kv_heads=KV_HEADS)
+    op = graph.ops[0]
+    operands = {k: v for k, v in op.operands if k != "out"}
+    with pytest.raises(GraphError, match="give 'out'"):
+        graph.add_op("attention", "attn2", op.grid, operands)
