@@ -41,6 +41,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--new-tokens", type=int, default=50)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompt-len", type=int, default=PROMPT_LEN,
+                   help="positions before the timed steps (a long one: a plan with KV splits)")
     p.add_argument("--max-pages", type=int, default=None,
                    help="cap the weight ring (codegen.MAX_PAGES) to time a shallower one")
     p.add_argument("--build-only", action="store_true")
@@ -50,7 +52,7 @@ def main() -> None:
     cfg = get_preset(args.model)
     t0 = time.perf_counter()
     if args.build_only:
-        shape = decode_shape(args.batch, PROMPT_LEN, args.new_tokens)
+        shape = decode_shape(args.batch, args.prompt_len, args.new_tokens)
         plan = compile_cached(build_graph(cfg, shape, num_sms=DEFAULT_NUM_SMS), DEFAULT_NUM_SMS)
         result = build.build_plan(plan)
         print(json.dumps({"src": mpk.__file__, "model": args.model, "cached": result.cached,
@@ -61,12 +63,14 @@ def main() -> None:
 
 def _timed(args: argparse.Namespace, cfg: ModelConfig) -> dict:
     weights = random_weights(cfg, 0, torch.device("cuda", 0))
-    decoder = MpkDecoder(cfg, weights, bench_prompt(cfg, args.batch, PROMPT_LEN, 0),
+    decoder = MpkDecoder(cfg, weights, bench_prompt(cfg, args.batch, args.prompt_len, 0),
                          args.new_tokens)
     tokens = decoder.tokens(CHECK_TOKENS)
     medians = [time_decode(decoder.step, args.new_tokens, warmup=1, repeats=3)["median_ms"]
                for _ in range(args.rounds)]
+    splits = sorted({op.grid[2] for op in decoder.plan.ops if op.kind == "attention"})
     return {"src": mpk.__file__, "model": args.model, "batch": args.batch,
+            "prompt": args.prompt_len, "splits": splits,
             "pages": codegen.num_pages(decoder.plan.scratch_bytes),
             "ms": [round(m, 4) for m in medians], "tokens": tokens}
 
