@@ -246,7 +246,7 @@ class MultiRankCpuExecutor:
         point = tuple(int(x) for x in rec[record.POINT: record.POINT + 3])
         extra: dict[str, Any] = {} if peers is None else {"peers": peers}
         tile = Tile(ex._op_views[int(rec[record.OP])], point, views, step,  # type: ignore[arg-type]
-                    extra)
+                    extra, ex._arrival(rec, point, ex.step_begin + step))
         ex._kinds[int(rec[record.KIND])].reference(tile)
 
     def _peer_views(self, views: list[dict]) -> list[dict[int, list[torch.Tensor]]]:

@@ -10,6 +10,8 @@ from mpk.backends.cpu.interpreter import CpuExecutor
 from mpk.compiler import record
 from mpk.compiler.lower import compile_graph
 from mpk.errors import GraphError
+from mpk.models.builder import DecodeShape, build_graph
+from mpk.models.config import get_preset
 from mpk.tasks.attention.task import MAX_SPLITS
 from tests.gpu.test_kernels_attention import attention_problem
 
@@ -89,3 +91,29 @@ def test_too_many_splits_or_no_out_are_refused() -> None:
     operands = {k: v for k, v in op.operands if k != "out"}
     with pytest.raises(GraphError, match="give 'out'"):
         graph.add_op("attention", "attn2", op.grid, operands)
+
+
+def test_the_merged_output_is_flagged_and_polled_and_the_next_steps_splits_wait_counted() -> None:
+    """qwen3-0.6b b1 with 4 splits: attn is flagged (the splits' equal out boxes count once in
+    covers_whole), o_proj polls it instead of counting attention's tasks, and each attention task
+    keeps its counted wait on the previous step's attention (its partials and KV append are
+    plain writes: flags.counted_edges), which orders the merging split's reads of the partials
+    before the next step's splits overwrite them."""
+    plan = compile_graph(build_graph(get_preset("qwen3-0.6b"), DecodeShape(batch=1)), 132)
+    assert plan.tensor("layers.1.attn").flagged
+    names = [op.name for op in plan.ops]
+    producer = {c: names[int(rec[record.OP])] for sm in range(plan.num_sms)
+                for rec in plan.instrs[sm, :plan.lengths[sm]] for c in record.decode_signals(rec)}
+    seen = set()
+    for sm in range(plan.num_sms):
+        for rec in plan.instrs[sm, :plan.lengths[sm]]:
+            name = names[int(rec[record.OP])]
+            waits = [(producer[c], bool(prev), bool(int(rec[record.POLLED]) >> w & 1))
+                     for w, (c, _, prev) in enumerate(record.decode_waits(rec))]
+            if name == "layers.1.o_proj":
+                assert ("layers.1.attention", False, True) in waits
+                seen.add(name)
+            if name == "layers.1.attention":
+                assert ("layers.1.attention", True, False) in waits
+                seen.add(name)
+    assert seen == {"layers.1.o_proj", "layers.1.attention"}

@@ -143,8 +143,10 @@ def test_attention_head_dims(d):
 
 
 @pytest.mark.parametrize("group,splits,qk_norm", [(2, 4, True), (4, 1, False), (8, 2, True),
-                                                  (12, 1, True), (1, 3, False)])
+                                                  (12, 1, True), (1, 3, False), (12, 2, True)])
 def test_attention_groups_and_splits(group, splits, qk_norm):
+    """Outputs up to 16 KB and groups up to 8 are flagged (task.py flag_operands: the merge
+    writes words), (12, 2) merges into a plain out."""
     attention_case(group, 128, splits, qk_norm=qk_norm, seed=group * 10 + splits)
 
 

@@ -5,6 +5,8 @@ is caught."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -180,3 +182,16 @@ def test_rank_plans_must_agree() -> None:
         ex.run(1)
     with pytest.raises(MpkError, match="rank 2"):
         ex.read(2, "logits")
+
+
+def test_two_ranks_with_kv_splits_equal_the_single_rank_plan() -> None:
+    """A shape for long contexts splits each rank's attention (its last split merges: arrival
+    counters, Tile.arrive on every rank); tokens equal the single-rank plan's."""
+    cfg = get_preset("tiny-qwen3")
+    seed, weights, _, tokens, _ = _single_rank(cfg)
+    long = dataclasses.replace(SHAPE, page_size=16, max_pages=32, num_pages=64)
+    plans = rank_plans(cfg, long, 2, NUM_SMS)
+    assert all(op.grid[2] > 1 for plan in plans for op in plan.ops if op.kind == "attention")
+    full = MultiRankCpuExecutor(plans, order="random", seed=seed).as_executor()
+    bind_model(full, full.plan, cfg, long, weights, seed)
+    assert run_prompts(full, long, PROMPTS, NEW_TOKENS) == _generated(tokens), f"seed {seed}"
