@@ -51,9 +51,12 @@ def _entries(plan, op_name: str) -> dict[str, tuple[int, int]]:
 
 
 def test_dense_model_flags_the_residual_stream_and_the_layer_activations() -> None:
-    cfg, plan = _plan("tiny-qwen3")  # long contexts: the KV range is split, a merge writes attn
+    # Long contexts: the KV range is split, and the last split writes attn (its S tasks' equal
+    # out boxes count once: covers_whole).
+    cfg, plan = _plan("tiny-qwen3")
+    assert {op.grid[2] for op in plan.ops if op.kind == "attention"} == {4}
     flagged = {t.name for t in plan.tensors if t.flagged}
-    layers = {f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in ("act", "qkv")}
+    layers = {f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in ("act", "qkv", "attn")}
     assert flagged == {"hidden"} | layers
     _, plan = _plan("tiny-qwen3", max_pages=4)  # one split: attention writes attn itself
     assert "layers.0.attn" in {t.name for t in plan.tensors if t.flagged}
@@ -64,8 +67,7 @@ def test_dense_model_flags_the_residual_stream_and_the_layer_activations() -> No
 
 @pytest.mark.parametrize("max_pages", [64, 4])
 def test_consumers_of_flagged_tensors_skip_their_counter_waits(max_pages: int) -> None:
-    cfg, plan = _plan("tiny-qwen3", max_pages=max_pages)
-    split = max_pages == 64  # attention writes partials, its merge attn (plain tensors)
+    cfg, plan = _plan("tiny-qwen3", max_pages=max_pages)  # 64: KV splits, the last one merges
     recs = _records_by_op(plan)
     for name, rows in recs.items():
         role = name.split(".")[-1]
@@ -75,15 +77,15 @@ def test_consumers_of_flagged_tensors_skip_their_counter_waits(max_pages: int) -
             mask = word & ~record.POLLS
             assert mask < (1 << len(waits)), name  # only existing waits
             # Every reader of hidden / act / qkv / attn polls it, so the storer watches it (the
-            # embedding only writes hidden; the merge and the sampler read plain tensors).
+            # embedding only writes hidden; the sampler reads plain tensors).
             polls = ("qkv", "attention", "o_proj", "gate_up", "down", "lm_head")
             assert bool(word & record.POLLS) == (role in polls), name
             same_step = [w for w, (_, _, prev) in enumerate(waits) if not prev]
-            if role in polls and not (split and role == "o_proj"):
+            if role in polls:
                 # Their same-step waits are on the producer of what they poll (attention: the
                 # qkv tasks of its KV head, a piece counter).
                 assert same_step and all(mask >> w & 1 for w in same_step), (name, waits, mask)
-            else:  # o_proj after a merge reads attn plain: counted
+            else:
                 assert mask == 0, (name, waits, mask)
             for w, (_, _, prev) in enumerate(waits):
                 assert not (prev and mask >> w & 1), name  # previous-step waits always count
@@ -97,8 +99,8 @@ def test_epochs_follow_the_writes_of_each_tensor_in_program_order() -> None:
         p = f"layers.{layer}."
         o_proj, down = 1 + 2 * layer, 2 + 2 * layer
         assert _entries(plan, p + "qkv") == {"x": (writes, o_proj - 1), "out": (1, 0)}
-        assert _entries(plan, p + "attention") == {"qkv": (1, 0)}  # split: partials plain
-        assert _entries(plan, p + "o_proj") == {"residual": (writes, o_proj - 1),
+        assert _entries(plan, p + "attention") == {"qkv": (1, 0), "out": (1, 0)}  # split
+        assert _entries(plan, p + "o_proj") == {"x": (1, 0), "residual": (writes, o_proj - 1),
                                                 "out": (writes, o_proj)}
         assert _entries(plan, p + "gate_up") == {"x": (writes, o_proj), "out": (1, 0)}
         assert _entries(plan, p + "down") == {"x": (1, 0), "residual": (writes, o_proj),
@@ -188,10 +190,10 @@ def test_tensor_parallel_ranks_keep_the_residual_plain() -> None:
     plan = rank_plans(get_preset("tiny-qwen3"), DecodeShape(batch=1), 2, num_sms=NUM_SMS)[0]
     flagged = {t.name for t in plan.tensors if t.flagged}
     assert "hidden" not in flagged  # the all-reduce writes it
-    assert all(name.endswith((".act", ".qkv")) for name in flagged)
+    assert all(name.endswith((".act", ".qkv", ".attn")) for name in flagged)
 
 
-@pytest.mark.parametrize(("batch", "expected"), [(1, {"hidden", "act", "qkv"}),
+@pytest.mark.parametrize(("batch", "expected"), [(1, {"hidden", "act", "qkv", "attn"}),
                                                  (2, {"hidden", "act", "qkv", "attn"}),
                                                  (4, {"hidden", "act", "qkv", "attn"}),
                                                  (8, {"hidden"}), (16, {"hidden"})])

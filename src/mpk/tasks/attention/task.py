@@ -77,7 +77,7 @@ class Attention(TaskKind):
         OperandSpec("page_table", Access.READ),
         OperandSpec("k_cache", Access.READ_WRITE),
         OperandSpec("v_cache", Access.READ_WRITE),
-        OperandSpec("out", Access.WRITE, optional=True),
+        OperandSpec("out", Access.WRITE),
         # With several splits: read back by the split that merges (each task's box is its
         # (row, KV head)'s every split; a task writes only its own split's part).
         OperandSpec("part_o", Access.READ_WRITE, optional=True),
@@ -193,8 +193,6 @@ class Attention(TaskKind):
     def _check_outputs(self, op: OpView, batch: int, kv_heads: int, group: int,
                        head_dim: int, parts: int) -> None:
         splits = op.grid[2]
-        if not op.has("out"):
-            raise op.error("give 'out'")
         op.expect_shape("out", (batch, kv_heads * group * head_dim))
         op.expect_dtype("out", DType.BF16)
         if op.axis_of("out", 1) != 0:
