@@ -46,7 +46,7 @@ from mpk.models import decode_io as io
 from mpk.models.reference import ReferenceModel
 from mpk.parallel.group import REDUCE_KIND
 from mpk.parallel.tp import TensorParallel, shard_dim, unshard
-from mpk.tasks.base import Tile, grid_points
+from mpk.tasks.base import grid_points
 from mpk.tasks.registry import get_kind
 from mpk.tensors import Role
 
@@ -242,12 +242,8 @@ class MultiRankCpuExecutor:
 
     def _execute(self, r: int, rec: np.ndarray, step: int, views: dict[str, torch.Tensor],
                  peers: list[torch.Tensor] | None) -> None:
-        ex = self.ranks[r]
-        point = tuple(int(x) for x in rec[record.POINT: record.POINT + 3])
         extra: dict[str, Any] = {} if peers is None else {"peers": peers}
-        tile = Tile(ex._op_views[int(rec[record.OP])], point, views, step,  # type: ignore[arg-type]
-                    extra, ex._arrival(rec, point, ex.step_begin + step))
-        ex._kinds[int(rec[record.KIND])].reference(tile)
+        self.ranks[r].execute(rec, step, views, extra)
 
     def _peer_views(self, views: list[dict]) -> list[dict[int, list[torch.Tensor]]]:
         """rank -> allreduce task -> the same tile of `partial` in every rank, in rank order."""

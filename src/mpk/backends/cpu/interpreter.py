@@ -114,12 +114,8 @@ class CpuExecutor:
         try:
             for rec, step in self._order(num_steps):
                 task = int(rec[record.TASK])
-                point = tuple(int(x) for x in rec[record.POINT: record.POINT + 3])
                 extra = self.tile_extra(task, views[task]) if self.tile_extra else {}
-                tile = Tile(self._op_views[int(rec[record.OP])], point,  # type: ignore[arg-type]
-                            views[task], step, extra,
-                            self._arrival(rec, point, self.step_begin + step))
-                self._kinds[int(rec[record.KIND])].reference(tile)
+                self.execute(rec, step, views[task], extra)
         finally:
             torch.set_num_threads(threads)
         self.step_begin += num_steps
@@ -131,6 +127,14 @@ class CpuExecutor:
             return free_order(self.plan, self.counters, self.step_begin, num_steps, prio)
         rng = self.rng if self.order == "random" else None
         return per_sm_order(self.plan, self.counters, self.step_begin, num_steps, rng)
+
+    def execute(self, rec: np.ndarray, step: int, views: dict[str, torch.Tensor],
+                extra: dict[str, object]) -> None:
+        """Run one record's task at local step `step` (its reference on its tile's views)."""
+        point = tuple(int(x) for x in rec[record.POINT: record.POINT + 3])
+        tile = Tile(self._op_views[int(rec[record.OP])], point,  # type: ignore[arg-type]
+                    views, step, extra, self._arrival(rec, point, self.step_begin + step))
+        self._kinds[int(rec[record.KIND])].reference(tile)
 
     def _arrival(self, rec: np.ndarray, point: tuple[int, int, int],
                  gstep: int) -> Callable[[], bool] | None:
