@@ -29,6 +29,11 @@ def attention_case(group: int, d: int, splits: int, lengths=(1, 17, 300), steps:
     graph, inputs, outputs = attention_problem(group, d, splits, lengths, steps, qk_norm,
                                                kv_heads, max_pos, seed, widths, runs,
                                                max_pages, parts)
+    compare_both(graph, inputs, outputs, steps)
+
+
+def compare_both(graph: Graph, inputs: dict[str, torch.Tensor], outputs: list[str],
+                 steps: int) -> None:
     cpu, gpu = run_both(graph, inputs, outputs + ["k_cache", "v_cache"], steps=steps)
     for name in outputs + ["k_cache"]:
         assert_close(cpu[name], gpu[name], name)
@@ -171,6 +176,17 @@ def test_attention_row_outside_the_rope_table(splits):
     """A row whose position is past the rope table attends to nothing and appends nothing
     (with splits: every split's partials empty, and the merge's out zeros)."""
     attention_case(2, 64, splits, lengths=(5, 40), max_pos=32, seed=9)
+
+
+def test_attention_cached_pages_outside_the_pool_are_masked():
+    """Cached positions whose page entries lie outside the pool (-1; past the pool), each a
+    whole warp block among attended ones: masked on both sides (zeros staged, no load), over
+    two steps."""
+    graph, inputs, outputs = attention_problem(2, 128, 1, lengths=(40, 300), steps=2, seed=41)
+    table = inputs["page_table"]
+    table[0, 1] = -1  # positions 16-31 of row 0: warp 1's first block
+    table[1, 5] = graph.tensors["k_cache"].shape[0] + 3  # positions 80-95 of row 1
+    compare_both(graph, inputs, outputs, steps=2)
 
 
 def test_attention_sixteen_splits_over_three_steps():
