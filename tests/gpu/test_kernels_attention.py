@@ -1,6 +1,7 @@
 """The fused attention kernel (q/k norm, RoPE, KV append, attention; tasks/attention/sm90.cuh)
 against the CPU interpreter: head dims 16-256, GQA groups, KV splits, steps, runs of rows that
-share a sequence, rows outside the rope table (kernel_helpers.py: poisoned outputs, bf16 tolerance)."""
+share a sequence, rows outside the rope table, pages outside the pool (kernel_helpers.py:
+poisoned outputs, bf16 tolerance)."""
 
 from __future__ import annotations
 
