@@ -30,6 +30,7 @@ from mpk.bench.runner import bench_prompt
 from mpk.bench.timing import time_decode
 from mpk.compiler.cache import compile_cached
 from mpk.graph.graph import DEFAULT_NUM_SMS
+from mpk.models import builder
 from mpk.models.builder import build_graph
 from mpk.models.config import ModelConfig, get_preset
 from mpk.models.weights import random_weights
@@ -45,10 +46,15 @@ def main() -> None:
                    help="positions before the timed steps (a long one: a plan with KV splits)")
     p.add_argument("--max-pages", type=int, default=None,
                    help="cap the weight ring (codegen.MAX_PAGES) to time a shallower one")
+    p.add_argument("--split-positions", type=int, default=None,
+                   help="KV positions per attention split (models.builder.SPLIT_POSITIONS) to "
+                        "time more splits at a short context")
     p.add_argument("--build-only", action="store_true")
     args = p.parse_args()
     if args.max_pages is not None:
         codegen.MAX_PAGES = args.max_pages
+    if args.split_positions is not None:
+        builder.SPLIT_POSITIONS = args.split_positions
     cfg = get_preset(args.model)
     t0 = time.perf_counter()
     if args.build_only:
@@ -56,7 +62,8 @@ def main() -> None:
         plan = compile_cached(build_graph(cfg, shape, num_sms=DEFAULT_NUM_SMS), DEFAULT_NUM_SMS)
         result = build.build_plan(plan)
         print(json.dumps({"src": mpk.__file__, "model": args.model, "cached": result.cached,
-                          "s": round(time.perf_counter() - t0, 1), "ptxas": result.ptxas()}))
+                          "splits": _splits(plan), "s": round(time.perf_counter() - t0, 1),
+                          "ptxas": result.ptxas()}))
         return
     print(json.dumps(_timed(args, cfg)), flush=True)
 
@@ -68,11 +75,15 @@ def _timed(args: argparse.Namespace, cfg: ModelConfig) -> dict:
     tokens = decoder.tokens(CHECK_TOKENS)
     medians = [time_decode(decoder.step, args.new_tokens, warmup=1, repeats=3)["median_ms"]
                for _ in range(args.rounds)]
-    splits = sorted({op.grid[2] for op in decoder.plan.ops if op.kind == "attention"})
     return {"src": mpk.__file__, "model": args.model, "batch": args.batch,
-            "prompt": args.prompt_len, "splits": splits,
+            "prompt": args.prompt_len, "splits": _splits(decoder.plan),
             "pages": codegen.num_pages(decoder.plan.scratch_bytes),
             "ms": [round(m, 4) for m in medians], "tokens": tokens}
+
+
+def _splits(plan) -> list[int]:
+    """The plan's attention KV split counts."""
+    return sorted({op.grid[2] for op in plan.ops if op.kind == "attention"})
 
 
 if __name__ == "__main__":

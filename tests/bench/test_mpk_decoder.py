@@ -96,3 +96,10 @@ def test_ab_decode_build_only_builds_then_finds_the_build(tmp_path: Path) -> Non
     first, second = (json.loads(done.stdout.strip().splitlines()[-1]) for done in runs)
     assert not first["cached"] and second["cached"]
     assert first["ptxas"]["registers"] > 0 and first["ptxas"]["spill_stores"] == 0
+    assert first["splits"] == [1]
+    # --split-positions: more KV splits at the same short context (another plan, another build)
+    split = subprocess.run(cmd + ["--split-positions", "32", "--prompt-len", "40"], env=env,
+                           capture_output=True, text=True, timeout=600, check=False)
+    assert split.returncode == 0, split.stderr[-2000:]
+    third = json.loads(split.stdout.strip().splitlines()[-1])
+    assert not third["cached"] and third["splits"] == [3], third  # 96 positions / 32
