@@ -10,8 +10,8 @@
 #   bash scripts/gpu_check.sh wgmma        scripts/wgmma_gemm_probe.cu: the prefill GEMM tile on
 #                                          warpgroup MMAs alone (correct? TFLOP/s?), before a port
 #   bash scripts/gpu_check.sh splits       where attention's KV splits pay: scripts/ab_decode.py on
-#                                          qwen3-0.6b and llama-3.2-1b b1 at 117 and 563 positions
-#                                          with the builder's split count and with forced ones
+#                                          qwen3-0.6b and llama-3.2-1b b1 in plans of 128 and 576
+#                                          positions, the builder's split count and forced ones
 #                                          (--split-positions; the numbers decide SPLIT_POSITIONS)
 #   bash scripts/gpu_check.sh tp           tensor parallelism (needs >= 2 GPUs: nvidia-h200-x2+)
 #   bash scripts/gpu_check.sh runs         the fifth session's unrun CUDA (attention's run rows,
@@ -152,11 +152,14 @@ case $mode in
       --max-batch 16 --port 0" --out "$OUT/bench-serve.json"
     ;;
   splits)
-    ab() { python3 scripts/ab_decode.py --rounds 3 --new-tokens 100 "$@" 2>&1 | tail -1 | cut -c1-300; }
+    ab() {
+      python3 scripts/ab_decode.py --rounds 3 --new-tokens 100 "$@" 2>&1 | tail -1 | cut -c1-300
+    }
     # model:prompt length:SPLIT_POSITIONS values, timed in this order (256 is the builder's
     # default: 1 split at 128 positions, 3 at 576; 64 / 32 / 16 force 2 / 4 / 8 at 128 and
     # 100000 forces 1)
-    cases="qwen3-0.6b:16:256,64,32,16,256 llama-3.2-1b:16:256,64,32,256 qwen3-0.6b:462:256,100000,64,256"
+    cases="qwen3-0.6b:16:256,64,32,16,256 llama-3.2-1b:16:256,64,32,256"
+    cases="$cases qwen3-0.6b:462:256,100000,64,256"
     for c in $cases; do  # builds first, in parallel (nvcc only)
       IFS=: read -r model len sps <<< "$c"
       for sp in ${sps//,/ }; do
