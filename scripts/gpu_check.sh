@@ -3,6 +3,9 @@
 #   bash scripts/gpu_check.sh correctness  runtime, kernel and model GPU tests, generate, memcheck
 #   bash scripts/gpu_check.sh real         SmolLM2-135M on CUDA against transformers (GGUF: see
 #                                          GGUF_PARTS below), `mpk generate` and `mpk bench` on it
+#   bash scripts/gpu_check.sh gates        the issues' gates, `mpk bench` each (torch.compile in the
+#                                          same run): qwen3-0.6b b1 / b16 / b8, llama-3.2-1b b1,
+#                                          serving on qwen3-0.6b, qwen3-30b-a3b b1 (~400-560 s)
 #   bash scripts/gpu_check.sh perf         mpk bench (MODELS x BATCHES) and mpk profile
 #   bash scripts/gpu_check.sh probe        scripts/probe_stream.py: the weight-page pipeline alone
 #                                          (GB/s per SM by page count, page size, L2 vs HBM, ...),
@@ -115,6 +118,17 @@ case $mode in
     step generate_real 90 python3 -m mpk generate --model smollm2-135m --backend cuda \
       --prompt "The capital of France is"
     step bench_real 150 python3 -m mpk bench --model smollm2-135m --new-tokens 100
+    ;;
+  gates)  # in the order the b1 gates need them; each step's log holds the bench's report
+    step gate-qwen3-0.6b-b1 120 python3 -m mpk bench --model qwen3-0.6b --new-tokens 100
+    step gate-llama-3.2-1b-b1 120 python3 -m mpk bench --model llama-3.2-1b --new-tokens 100
+    for batch in 16 8; do
+      step "gate-qwen3-0.6b-b$batch" 100 python3 -m mpk bench --model qwen3-0.6b \
+        --batch "$batch" --new-tokens 50
+    done
+    step gate-serving 150 python3 -m mpk bench --serving --model qwen3-0.6b --requests 48 \
+      --max-batch 16
+    step gate-qwen3-30b-a3b-b1 150 python3 -m mpk bench --model qwen3-30b-a3b --new-tokens 50
     ;;
   perf)
     for model in ${MODELS:-qwen3-0.6b llama-3.2-1b}; do
