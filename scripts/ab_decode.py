@@ -31,7 +31,6 @@ from mpk.bench.timing import time_decode
 from mpk.compiler.cache import compile_cached
 from mpk.graph.graph import DEFAULT_NUM_SMS
 from mpk.models import builder
-from mpk.models.builder import build_graph
 from mpk.models.config import ModelConfig, get_preset
 from mpk.models.weights import random_weights
 
@@ -59,7 +58,8 @@ def main() -> None:
     t0 = time.perf_counter()
     if args.build_only:
         shape = decode_shape(args.batch, args.prompt_len, args.new_tokens)
-        plan = compile_cached(build_graph(cfg, shape, num_sms=DEFAULT_NUM_SMS), DEFAULT_NUM_SMS)
+        graph = builder.build_graph(cfg, shape, num_sms=DEFAULT_NUM_SMS)
+        plan = compile_cached(graph, DEFAULT_NUM_SMS)
         result = build.build_plan(plan)
         print(json.dumps({"src": mpk.__file__, "model": args.model, "cached": result.cached,
                           "splits": _splits(plan), "s": round(time.perf_counter() - t0, 1),
