@@ -17,6 +17,7 @@ mpk bench checks; identical across trees unless the arithmetic changed).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -25,7 +26,8 @@ import torch
 import mpk
 from mpk.backends.cuda import build, codegen
 from mpk.bench.job import CHECK_TOKENS, PROMPT_LEN
-from mpk.bench.mpk_decoder import MpkDecoder, decode_shape
+from mpk.bench import mpk_decoder
+from mpk.bench.mpk_decoder import MpkDecoder
 from mpk.bench.runner import bench_prompt
 from mpk.bench.timing import time_decode
 from mpk.compiler.cache import compile_cached
@@ -48,16 +50,21 @@ def main() -> None:
     p.add_argument("--split-positions", type=int, default=None,
                    help="KV positions per attention split (models.builder.SPLIT_POSITIONS) to "
                         "time more splits at a short context")
+    p.add_argument("--plan-positions", type=int, default=None,
+                   help="compile the plan for this many KV positions (at least the prompt and "
+                        "the new tokens): a long-context plan timed at a shorter context")
     p.add_argument("--build-only", action="store_true")
     args = p.parse_args()
     if args.max_pages is not None:
         codegen.MAX_PAGES = args.max_pages
     if args.split_positions is not None:
         builder.SPLIT_POSITIONS = args.split_positions
+    if args.plan_positions is not None:
+        _plan_positions(args.plan_positions)
     cfg = get_preset(args.model)
     t0 = time.perf_counter()
     if args.build_only:
-        shape = decode_shape(args.batch, args.prompt_len, args.new_tokens)
+        shape = mpk_decoder.decode_shape(args.batch, args.prompt_len, args.new_tokens)
         graph = builder.build_graph(cfg, shape, num_sms=DEFAULT_NUM_SMS)
         plan = compile_cached(graph, DEFAULT_NUM_SMS)
         result = build.build_plan(plan)
@@ -79,6 +86,17 @@ def _timed(args: argparse.Namespace, cfg: ModelConfig) -> dict:
             "prompt": args.prompt_len, "splits": _splits(decoder.plan),
             "pages": codegen.num_pages(decoder.plan.scratch_bytes),
             "ms": [round(m, 4) for m in medians], "tokens": tokens}
+
+
+def _plan_positions(positions: int) -> None:
+    """Make MpkDecoder's plans (and --build-only's) hold `positions` KV positions a row."""
+    def shape(batch: int, prompt_len: int, new_tokens: int, page_size: int = 16):
+        short = plain(batch, prompt_len, new_tokens, page_size)
+        pages = max(short.max_pages, -(-positions // page_size))
+        return dataclasses.replace(short, max_pages=pages, num_pages=batch * pages)
+
+    plain = mpk_decoder.decode_shape
+    mpk_decoder.decode_shape = shape
 
 
 def _splits(plan) -> list[int]:

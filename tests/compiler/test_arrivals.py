@@ -94,7 +94,7 @@ def test_too_many_splits_or_no_out_are_refused() -> None:
 
 
 def test_the_merged_output_is_flagged_and_polled_and_the_next_steps_splits_wait_counted() -> None:
-    """qwen3-0.6b b1 with 4 splits: attn is flagged (the splits' equal out boxes count once in
+    """qwen3-0.6b b1 with 8 splits: attn is flagged (the splits' equal out boxes count once in
     covers_whole), o_proj polls it instead of counting attention's tasks, and each attention task
     keeps its counted wait on the previous step's attention (its partials and KV append are
     plain writes: flags.counted_edges), which orders the merging split's reads of the partials
@@ -117,3 +117,62 @@ def test_the_merged_output_is_flagged_and_polled_and_the_next_steps_splits_wait_
                 assert ("layers.1.attention", True, False) in waits
                 seen.add(name)
     assert seen == {"layers.1.o_proj", "layers.1.attention"}
+
+
+def context_plan(splits: int = SPLITS, split_positions: int = 16, lengths=(1, 31, 40, 300),
+                 steps: int = 3):
+    """attention_problem whose rows use 1 / 1-then-3 / 3 / 4 of the splits (effective_splits at
+    16 positions a split: one up to 32 positions)."""
+    graph, inputs, _ = attention_problem(2, 64, splits, lengths, steps, kv_heads=KV_HEADS,
+                                         seed=7, split_positions=split_positions)
+    return compile_graph(graph, num_sms=8), inputs
+
+
+def test_rows_use_the_splits_their_context_needs() -> None:
+    """Row 0 (1-3 positions) and row 1 (31-33) use one split until row 1 reaches 33: split 0
+    writes out, no split arrives, so their counters hold 0 and S (one step of arrivals); rows
+    2 and 3 arrive every step. The unused splits' partials are never written (still poison),
+    and out has no NaN: the merge reads only the used splits."""
+    plan, inputs = context_plan()
+    ex = CpuExecutor(plan, poison=True)
+    bound = {name: value.clone() for name, value in inputs.items()}
+    for name, value in bound.items():
+        ex.bind(name, value)
+    ex.run(3)
+    first = int(plan.op_params[0, record.ARRIVALS_PARAM])
+    counters = ex.counters.value[first:].reshape(4, KV_HEADS)  # (row, KV head)
+    assert counters.tolist() == [[0, 0], [SPLITS, SPLITS], [3 * SPLITS] * 2, [3 * SPLITS] * 2]
+    po, out = ex.read("po"), ex.read("o")
+    assert torch.isnan(po[0]).all()  # never used several splits
+    assert torch.isnan(po[1, :, 3]).all() and not torch.isnan(po[1, :, :3]).any()
+    assert torch.isnan(po[2, :, 3]).all() and not torch.isnan(po[3]).any()
+    assert not torch.isnan(out).any()
+
+
+def test_fewer_splits_give_what_one_split_gives() -> None:
+    """Against the same problem with one split: row 0 (one split every step) has the same out
+    bits; the merged rows agree to bf16 rounding (fp32 partials, another sum order), so no
+    position is lost or counted twice when the row's splits change between steps."""
+    outs, caches = [], []
+    for splits in (1, SPLITS):
+        plan, inputs = context_plan(splits=splits)
+        ex = run(plan, inputs, steps=3)
+        outs.append(ex.read("o").float())
+        caches.append((ex.read("k_cache"), ex.read("v_cache")))
+    one, several = outs
+    assert torch.equal(one[0], several[0])
+    error = (one[1:] - several[1:]).norm() / one[1:].norm()
+    assert error <= 2.0 ** -8  # bf16's half ulp, relative
+    assert all(torch.equal(a, b) for a, b in zip(*caches))
+
+
+def test_split_order_does_not_matter_when_rows_use_fewer_splits() -> None:
+    plan, inputs = context_plan()
+    outs = [run(plan, inputs, steps=3, order="free", priority=lambda t, s=sign: s * t).read("o")
+            for sign in (1.0, -1.0)]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_a_negative_split_positions_is_refused() -> None:
+    with pytest.raises(GraphError, match="split_positions"):
+        attention_problem(2, 64, SPLITS, (1, 17), 1, kv_heads=KV_HEADS, split_positions=-1)

@@ -54,7 +54,7 @@ def test_dense_model_flags_the_residual_stream_and_the_layer_activations() -> No
     # Long contexts: the KV range is split, and the last split writes attn (its S tasks' equal
     # out boxes count once: covers_whole).
     cfg, plan = _plan("tiny-qwen3")
-    assert {op.grid[2] for op in plan.ops if op.kind == "attention"} == {4}
+    assert {op.grid[2] for op in plan.ops if op.kind == "attention"} == {8}
     flagged = {t.name for t in plan.tensors if t.flagged}
     layers = {f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in ("act", "qkv", "attn")}
     assert flagged == {"hidden"} | layers

@@ -22,15 +22,17 @@ def attention_case(group: int, d: int, splits: int, lengths=(1, 17, 300), steps:
                    qk_norm: bool = True, kv_heads: int = 2, max_pos: int | None = None,
                    seed: int = 0, widths: tuple[int, ...] | None = None,
                    runs: list[list[int]] | None = None, max_pages: int | None = None,
-                   parts: int = 1) -> None:
+                   parts: int = 1, split_positions: int = 0) -> None:
     """One row per length, or with `widths` a run of widths[j] rows per length (tasks/runs.py:
     row i of run j starts at position lengths[j] - 1 + i and shares the run's pages). `runs`
     replaces the rows' RUNS words (bad words are clamped alike on both sides); `max_pages`
-    the page table's width; `parts` the query-head parts of each KV head (task.py)."""
+    the page table's width; `parts` the query-head parts of each KV head (task.py);
+    `split_positions` the op's attr (a row uses fewer splits while its context is short: the
+    unused splits' partials stay poisoned, so only out and the caches are compared)."""
     graph, inputs, outputs = attention_problem(group, d, splits, lengths, steps, qk_norm,
                                                kv_heads, max_pos, seed, widths, runs,
-                                               max_pages, parts)
-    compare_both(graph, inputs, outputs, steps)
+                                               max_pages, parts, split_positions)
+    compare_both(graph, inputs, outputs[:1] if split_positions else outputs, steps)
 
 
 def compare_both(graph: Graph, inputs: dict[str, torch.Tensor], outputs: list[str],
@@ -45,7 +47,8 @@ def attention_problem(group: int, d: int, splits: int, lengths=(1, 17, 300), ste
                       qk_norm: bool = True, kv_heads: int = 2, max_pos: int | None = None,
                       seed: int = 0, widths: tuple[int, ...] | None = None,
                       runs: list[list[int]] | None = None, max_pages: int | None = None,
-                      parts: int = 1) -> tuple[Graph, dict[str, torch.Tensor], list[str]]:
+                      parts: int = 1, split_positions: int = 0
+                      ) -> tuple[Graph, dict[str, torch.Tensor], list[str]]:
     """attention_case's graph (one attention op), its inputs and its outputs' names."""
     g = gen(seed)
     rows = case_rows(g, lengths, widths, runs, steps, max_pages, max_pos)
@@ -78,7 +81,8 @@ def attention_problem(group: int, d: int, splits: int, lengths=(1, 17, 300), ste
         graph.add_tensor("pl", (batch, kv_heads, splits, group), F32, Role.ACTIVATION)
         operands.update(part_o="po", part_lse="pl")
         outputs += ["po", "pl"]
-    graph.add_op("attention", "attn", (kv_heads * parts, batch, splits), operands=operands)
+    graph.add_op("attention", "attn", (kv_heads * parts, batch, splits), operands=operands,
+                 split_positions=split_positions)
     return graph, inputs, outputs
 
 
@@ -188,6 +192,15 @@ def test_attention_cached_pages_outside_the_pool_are_masked():
     table[0, 1] = -1  # positions 16-31 of row 0: warp 1's first block
     table[1, 5] = graph.tensors["k_cache"].shape[0] + 3  # positions 80-95 of row 1
     compare_both(graph, inputs, outputs, steps=2)
+
+
+@pytest.mark.parametrize("group", [2, 12])
+def test_attention_splits_used_by_context(group):
+    """split_positions 16 over 4 splits: rows of 1-32 positions use one split (split 0 writes
+    out, nobody arrives), 40 three, 300 all four; the row at 31 uses three from the third step
+    (33 positions) and its counter starts then. Group 2 writes a flagged out, 12 a plain one."""
+    attention_case(group, 128, 4, lengths=(1, 31, 40, 300), steps=3, split_positions=16,
+                   seed=60 + group)
 
 
 def test_attention_sixteen_splits_over_three_steps():

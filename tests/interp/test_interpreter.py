@@ -9,6 +9,7 @@ import torch
 
 from mpk.compiler import record
 from mpk.engine.bind import bind_model
+from mpk.models import builder
 from mpk.models.builder import DecodeShape
 from mpk.models.config import get_preset
 from mpk.models.reference import ReferenceModel
@@ -57,22 +58,29 @@ def test_logits_match_reference(preset: str, head_dim: int | None) -> None:
     assert err < 1e-2, f"relative error {err:.3g} (seed {seed})"
 
 
-def test_long_context_plan_splits_attention() -> None:
+def test_long_context_plan_splits_attention(monkeypatch: pytest.MonkeyPatch) -> None:
     """A long KV cache splits attention (partials, merged by the split that arrives last, in
-    the random order's sequence of tasks); tokens still match the reference."""
+    the random order's sequence of tasks); tokens still match the reference. At 4 positions a
+    split the rows use one split up to 8 positions and three from 9 (effective_splits): both
+    paths, and rows whose split count changes between steps."""
+    monkeypatch.setattr(builder, "SPLIT_POSITIONS", 4)
     cfg = get_preset("tiny-llama")
     seed = SEED
     weights = random_weights(cfg, seed=seed)
     shape = DecodeShape(batch=2, steps_per_launch=8, page_size=16, max_pages=64, num_pages=128)
     plan = make_plan(cfg, shape, num_sms=16)
-    assert all(op.grid[2] > 1 for op in plan.ops if op.kind == "attention")
-    assert (plan.op_params[:, record.ARRIVALS_PARAM] >= 0).sum() == cfg.num_layers
+    assert {op.grid[2] for op in plan.ops if op.kind == "attention"} == {4}
+    first = plan.op_params[:, record.ARRIVALS_PARAM]
+    assert (first >= 0).sum() == cfg.num_layers
     ex = executor(plan, order="random", seed=seed)
     bind_model(ex, ex.plan, cfg, shape, weights, seed)
     prompts = [[3, 1, 4, 1, 5], [9, 2]]
     got = run_prompts(ex, shape, prompts, new_tokens=6)
     bad = greedy_mismatches(ReferenceModel(cfg, weights, max_seq=64), prompts, got)
     assert not bad, f"seed {seed}: " + "; ".join(bad)
+    # Row 0 reached 9-10 positions (two steps of merges), row 1 only 7 (none).
+    counters = ex.counters.value[int(first[first >= 0].min()):].reshape(cfg.num_layers, 2, -1)
+    assert (counters[:, 0] == 2 * 4).all() and (counters[:, 1] == 0).all()
 
 
 def test_fused_and_unfused_plans_agree() -> None:

@@ -15,6 +15,7 @@ from mpk.dtypes import DType
 from mpk.engine.bind import bind_model
 from mpk.errors import MpkError
 from mpk.graph.graph import Graph
+from mpk.models import builder
 from mpk.models.builder import DecodeShape
 from mpk.models.config import get_preset
 from mpk.models.weights import random_weights
@@ -184,11 +185,14 @@ def test_rank_plans_must_agree() -> None:
         ex.read(2, "logits")
 
 
-def test_two_ranks_with_kv_splits_equal_the_single_rank_plan() -> None:
+def test_two_ranks_with_kv_splits_equal_the_single_rank_plan(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A shape for long contexts splits each rank's attention (its last split merges: arrival
-    counters, Tile.arrive on every rank); tokens equal the single-rank plan's."""
+    counters, Tile.arrive on every rank); tokens equal the single-rank plan's. At 4 positions
+    a split, row 0 uses three splits from its 9th position on."""
     cfg = get_preset("tiny-qwen3")
     seed, weights, _, tokens, _ = _single_rank(cfg)
+    monkeypatch.setattr(builder, "SPLIT_POSITIONS", 4)
     long = dataclasses.replace(SHAPE, page_size=16, max_pages=32, num_pages=64)
     plans = rank_plans(cfg, long, 2, NUM_SMS)
     assert all(op.grid[2] > 1 for plan in plans for op in plan.ops if op.kind == "attention")

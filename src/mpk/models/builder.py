@@ -35,6 +35,7 @@ from mpk.models import decode_io as io
 from mpk.models.config import ModelConfig
 from mpk.models.moe import check_no_tp, moe_block, moe_weights
 from mpk.models.rope import rope_table
+from mpk.tasks.attention.task import MAX_SPLITS, ROUND_POSITIONS, effective_splits
 from mpk.tasks.linear.task import MAX_BATCH, chunk_k, min_tasks
 from mpk.tensors import Role
 
@@ -42,7 +43,11 @@ if TYPE_CHECKING:  # models/ stays below parallel/: the builder only calls tp's 
     from mpk.parallel.tp import TensorParallel
 
 BF16, F32, I32 = DType.BF16, DType.F32, DType.I32
-SPLIT_POSITIONS = 256  # KV positions per attention split at the longest context
+# Attention's split_positions (tasks/attention effective_splits): a row's context stays in one KV
+# split up to two rounds of the kernel's warps and takes one split a round beyond. At 128
+# positions 2 / 4 / 8 splits cost 10% on qwen3-0.6b b1 (one round either way, plus the merge); at
+# 576, 9 splits of 64 were 11% faster than 3 of 192 (H100, perf-log fortieth session).
+SPLIT_POSITIONS = ROUND_POSITIONS
 # Attention's query heads are parted over tasks (tasks/attention) for groups of PART_GROUP or
 # more, down to PART_HEADS heads a task, while the parted op takes at most PART_SMS of the SMs:
 # qwen3-30b-a3b (G = 8) at b1 (4 -> 16 tasks) 1.2% faster, at b8 (32 -> 128) 0.1%, at b16
@@ -215,13 +220,12 @@ def _attention_block(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: in
 def _attention(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int, p: str,
                layer: int, kvh: int) -> None:
     b, group, d = shape.batch, cfg.group, cfg.head_dim
-    # Split the KV range only when contexts can be long: the merge (by the split that arrives
-    # last: tasks/attention) costs more than the split saves below a few hundred positions per
-    # (row, KV head). The count sets the order of a row's softmax sums (a split's positions,
-    # then the merge's sum over the splits), so it is the numerics batch's; the grid's rows stay
-    # this plan's.
-    splits = max(1, min(16, num_sms // (kvh * shape.numerics_rows), shape.max_pages,
-                        -(-shape.max_seq_len // SPLIT_POSITIONS)))
+    # As many KV splits as the longest context uses (SPLIT_POSITIONS), within one wave of the
+    # SMs; a row uses fewer while its context is shorter. The count sets the order of a row's
+    # softmax sums (a split's positions, then the merge's sum over the splits), so it is the
+    # numerics batch's; the grid's rows stay this plan's.
+    cap = max(1, min(MAX_SPLITS, num_sms // (kvh * shape.numerics_rows), shape.max_pages))
+    splits = effective_splits(shape.max_seq_len, cap, SPLIT_POSITIONS)
     ops = {"qkv": p + "qkv", "rope": "rope", "positions": io.POSITIONS, "runs": io.RUNS,
            "page_table": io.PAGE_TABLE, "k_cache": io.k_cache(layer),
            "v_cache": io.v_cache(layer)}
@@ -237,7 +241,7 @@ def _attention(g: Graph, cfg: ModelConfig, shape: DecodeShape, num_sms: int, p: 
     g.add_tensor(p + "part_lse", (b, kvh, splits, group), F32, Role.ACTIVATION)
     g.add_op("attention", p + "attention", (kvh, b, splits),
              {**ops, "part_o": p + "part_o", "part_lse": p + "part_lse", "out": p + "attn"},
-             eps=cfg.rms_eps)
+             eps=cfg.rms_eps, split_positions=SPLIT_POSITIONS)
 
 
 def _query_parts(group: int, tasks: int, num_sms: int) -> int:

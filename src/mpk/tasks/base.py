@@ -286,9 +286,11 @@ class TaskKind:
         adds one to its group's (Tile.arrive; on the GPU an atomic add on the launch's counters
         at index params[ARRIVALS_PARAM] + group, after a release fence) and the one whose add
         completes the group's count this step does the group's closing work (attention: the
-        merge of its KV splits). The compiler places the counters after the dependency
-        counters (zeroed once, monotonic: after step g a group's holds (g + 1) * tasks). No
-        record waits on them. Default: None."""
+        merge of its KV splits). In a step either every task of a group adds or none does
+        (attention: a row whose context uses one split), so the closing add is the one that
+        makes the counter a multiple of the group's tasks. The compiler places the counters
+        after the dependency counters (zeroed once, monotonic). No record waits on them.
+        Default: None."""
         return None
 
     def arrival_group(self, op: OpView, point: tuple[int, int, int]) -> int:

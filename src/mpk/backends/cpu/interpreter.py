@@ -133,11 +133,11 @@ class CpuExecutor:
         """Run one record's task at local step `step` (its reference on its tile's views)."""
         point = tuple(int(x) for x in rec[record.POINT: record.POINT + 3])
         tile = Tile(self._op_views[int(rec[record.OP])], point,  # type: ignore[arg-type]
-                    views, step, extra, self._arrival(rec, point, self.step_begin + step))
+                    views, step, extra, self._arrival(rec, point))
         self._kinds[int(rec[record.KIND])].reference(tile)
 
-    def _arrival(self, rec: np.ndarray, point: tuple[int, int, int],
-                 gstep: int) -> Callable[[], bool] | None:
+    def _arrival(self, rec: np.ndarray, point: tuple[int, int, int]
+                 ) -> Callable[[], bool] | None:
         """Tile.arrive for a task of an op with arrival counters (TaskKind.arrivals)."""
         op = int(rec[record.OP])
         first = int(self.plan.op_params[op, record.ARRIVALS_PARAM])
@@ -146,7 +146,7 @@ class CpuExecutor:
         kind = self._kinds[int(rec[record.KIND])]
         counter = first + kind.arrival_group(self._op_views[op], point)
         count = int(self.plan.counter_counts[counter])
-        return lambda: self.counters.arrive(counter, count, gstep)
+        return lambda: self.counters.arrive(counter, count)
 
     def _spec(self, name: str):
         try:

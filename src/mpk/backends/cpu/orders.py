@@ -33,11 +33,11 @@ class Counters:
                 return c
         return None
 
-    def arrive(self, counter: int, count: int, gstep: int) -> bool:
-        """A task's own add to an arrival counter (TaskKind.arrivals): was it the last of the
-        `count` a step that global step `gstep` needs?"""
+    def arrive(self, counter: int, count: int) -> bool:
+        """A task's own add to an arrival counter (TaskKind.arrivals): did it complete the
+        group's `count` (a step adds all of them or none)?"""
         self.value[counter] += 1
-        return bool(self.value[counter] == record.wait_target(count, 0, gstep))
+        return bool(self.value[counter] % count == 0)
 
     def signal(self, rec: np.ndarray) -> list[int]:
         out = record.decode_signals(rec)

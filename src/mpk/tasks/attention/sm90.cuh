@@ -36,8 +36,10 @@
 //     2r..2r+1 of a 16-d tail) and builds A fragments with byte permutes; P goes through a 512-byte per-warp transpose, split into bf16 hi + lo parts (two
 //     MMAs) so that P keeps ~16 bits (the reference multiplies fp32 probabilities).
 //   Warps take 16-position blocks round-robin; their (m, l, O) states merge in smem in warp order.
-// Several splits (S > 1): each writes its partials, then arrives on its (row, KV head)'s counter;
-// the last to arrive merges every split's partials into out (merge_splits).
+// Several splits: a row uses SE of the S (effective_splits, by its context). SE = 1: split 0 writes
+// out as with one split, no split arrives. SE > 1: each of the SE writes its partials, then all S
+// arrive on the (row, KV head)'s counter; the last to arrive merges the SE partials into out
+// (merge_splits).
 // head_dim: any multiple of 16 up to 256 (task.py checks); DMAX = 128 or 256 sizes the registers.
 #pragma once
 #include <cuda_bf16.h>
@@ -62,6 +64,8 @@ constexpr int kLanes = ATTN_MAX_HEAD_DIM / 32;  // head-vector elements per lane
 
 struct Ctx {
   int B, G, D, KVH, PS, MAXP, S, NP, MAXPOS;
+  int SP;  // split_positions (task.py effective_splits; 0: every split always)
+  int SE;  // splits the task's row uses this step (run() sets it from the prologue's Setup)
   int GP, q0;  // this task's query heads: GP of the group's G, from q0 (task.py: parts)
   int row;  // this task's batch row (the qkv tile holds every row)
   bool norm;
@@ -448,7 +452,7 @@ __device__ __forceinline__ void attend(const mpk::TaskArgs& a, const Ctx& c, con
     return lsum > 0.f ? osum / lsum : 0.f;
   };
   const long long head0 = (((long long)bb * c.KVH + hh) * c.G + g0) * D;  // out's element
-  if (c.out_ep && c.S == 1) {  // flagged out: one word per pair of columns
+  if (c.out_ep && c.SE == 1) {  // flagged out: one word per pair of columns
     const int half = D / 2;
     dev::flag_word* words = dev::flag_operand<dev::flag_word>(a, O_OUT) + head0 / 2;
     for (int idx = tid; idx < ng * half; idx += NUM_THREADS) {
@@ -465,7 +469,7 @@ __device__ __forceinline__ void attend(const mpk::TaskArgs& a, const Ctx& c, con
       float mstar, lsum;
       head_state(g, mstar, lsum);
       const float val = column(g, d, mstar, lsum);
-      if (c.S == 1) {
+      if (c.SE == 1) {
         c.out[head0 + (long long)g * D + d] = dev::to_bf16(val);
       } else {
         c.po[(((long long)bb * c.KVH + hh) * c.S + s) * c.G * D + (long long)(g0 + g) * D + d] =
@@ -482,24 +486,36 @@ __device__ __forceinline__ void attend(const mpk::TaskArgs& a, const Ctx& c, con
 // What the prologue leaves for run(): the row's position, cache row and this split's range.
 struct Setup {
   int valid;  // the row's position is inside the rope table
+  int se;     // the splits the row uses this step (effective_splits)
   int p, f0;  // f0: the first of this step's positions of the row's run (>= 0)
   long long crow;
   Range R;
 };
 static_assert(sizeof(Setup) <= 64, "Layout reserves 64 bytes for the prologue's Setup");
 
-// Position and this split's range for the tile's row, and whether this task appends its key
-// (loads: the row's run and position only; what depends on them is loaded by the caller).
+// The splits a row of `length` positions uses (task.py effective_splits): all S when SP is 0,
+// else one up to 2 * SP positions, then one per SP positions, at most S.
+__device__ __forceinline__ int effective_splits(int length, int S, int SP) {
+  if (SP <= 0) return S;
+  if (length <= 2 * SP) return 1;
+  return min(S, (length + SP - 1) / SP);
+}
+
+// Position, the splits the row uses and this split's range for the tile's row, and whether this
+// task appends its key (loads: the row's run and position only; what depends on them is loaded
+// by the caller). A row outside the table uses the splits of a one-position context.
 __device__ __forceinline__ bool row_range(const Ctx& c, const Layout& L, int s, int step, int& p,
-                                          int& f0, bool& writer, Range& R) {
+                                          int& f0, int& se, bool& writer, Range& R) {
   const int bb = 0;  // positions, runs and page_table tiles start at the task's row
   const dev::RowRun run = dev::row_run(c.runs, c.row);
   const long long pos = (long long)dev::ld_act_i32(c.pos + bb) + (long long)step * run.width;
+  se = effective_splits(1, c.S, c.SP);
   if (pos < 0 || pos >= c.MAXPOS) return false;
   p = (int)pos;
   f0 = max(0, p - run.index);
   const int length = p + 1;
-  const int chunk = (length + c.S - 1) / c.S;
+  se = effective_splits(length, c.S, c.SP);
+  const int chunk = (length + se - 1) / se;
   R.lo = s * chunk;
   R.hi = min(length, R.lo + chunk);
   R.hi = min(R.hi, c.MAXP * c.PS);  // positions past the page table cannot be read
@@ -512,11 +528,12 @@ __device__ __forceinline__ bool row_range(const Ctx& c, const Layout& L, int s, 
   return true;
 }
 
-// A row outside the rope table: zeros (or split s's empty partials), nothing appended.
+// A row outside the rope table: zeros (or split s's empty partials), nothing appended. Only
+// split s < SE calls it.
 __device__ __forceinline__ void write_empty(const mpk::TaskArgs& a, const Ctx& c, int bb, int hh,
                                             int s) {
   const int GD = c.GP * c.D;  // S > 1: GP = G
-  if (c.out_ep && c.S == 1) {
+  if (c.out_ep && c.SE == 1) {
     dev::flag_word* words =
         dev::flag_operand<dev::flag_word>(a, O_OUT) + ((long long)bb * c.KVH + hh) * GD / 2;
     for (int idx = threadIdx.x; idx < GD / 2; idx += NUM_THREADS)
@@ -524,7 +541,7 @@ __device__ __forceinline__ void write_empty(const mpk::TaskArgs& a, const Ctx& c
     return;
   }
   for (int idx = threadIdx.x; idx < GD; idx += NUM_THREADS) {
-    if (c.S == 1) {
+    if (c.SE == 1) {
       c.out[((long long)bb * c.KVH + hh) * GD + idx] = dev::to_bf16(0.f);
     } else {
       c.po[(((long long)bb * c.KVH + hh) * c.S + s) * GD + idx] = 0.f;
@@ -534,12 +551,13 @@ __device__ __forceinline__ void write_empty(const mpk::TaskArgs& a, const Ctx& c
   }
 }
 
-// S > 1: this split's partials are stored; add its arrival to the (row, KV head)'s counter
-// (task.py arrivals: mpk::launch_counters from params[ARRIVALS_PARAM], monotonic: S a step).
-// True in every thread of the split whose add was the step's S-th, which may then read every
-// split's partials: each split stored its own before its release (the barrier, then thread
-// 0's fence and add), and thread 0 of this one acquires them (its fence after the add) before
-// the barrier that lets the others load.
+// SE > 1: this split's partials are stored (or it has none: s >= SE); add its arrival to the
+// (row, KV head)'s counter (task.py arrivals: mpk::launch_counters from params[ARRIVALS_PARAM],
+// monotonic: S a step in which the row uses several splits, none in one where it uses one).
+// True in every thread of the split whose add made the counter a multiple of S, which may then
+// read every split's partials: each split stored its own before its release (the barrier, then
+// thread 0's fence and add), and thread 0 of this one acquires them (its fence after the add)
+// before the barrier that lets the others load.
 __device__ __forceinline__ bool last_arrival(const mpk::TaskArgs& a, const Ctx& c) {
   mpk::task_sync();  // every thread's partials are stored
   bool last = false;
@@ -548,25 +566,25 @@ __device__ __forceinline__ bool last_arrival(const mpk::TaskArgs& a, const Ctx& 
         mpk::launch_counters + a.i(REC_ARRIVALS_PARAM) + (long long)c.row * c.KVH + a.point(0);
     ptx::fence_acq_rel_gpu();
     const unsigned long long old = ptx::atom_relaxed_add_u64(counter, 1ull);
-    // The step's adds take the S values up to (g + 1) * S; compared modulo 2^32 (gstep is the
-    // global step's low 32 bits) they stay distinct, so the test is exact.
-    last = (uint32_t)old + 1u == (a.gstep + 1u) * (uint32_t)c.S;
+    // A step's adds take the counter from a multiple of S to the next one.
+    last = (old + 1ull) % (unsigned long long)c.S == 0ull;
     if (last) ptx::fence_acq_rel_gpu();
   }
   return mpk::task_sync_or(last);
 }
 
-// The last split's merge (in split order, so the value does not depend on which split came
-// last): out = sum_s exp(lse_s - lse) * o_s, lse = log(sum_s exp(lse_s)); an empty split
+// The last split's merge of the SE used splits (in split order, so the value does not depend on
+// which split came last): out = sum_s exp(lse_s - lse) * o_s, lse = log(sum_s exp(lse_s)); an
+// empty split
 // (lse = -inf) weighs 0, an all-empty head gives 0. Every split's partials come to shared memory
 // first (from byte 0: attend's regions are free; task.py scratch_bytes holds them), all copies
 // in flight together (one L2 round trip; held in registers they spilled the kernel). Then a
 // thread takes 4 columns of one query head; a flagged out gets two words.
 __device__ __forceinline__ void merge_splits(const mpk::TaskArgs& a, const Ctx& c) {
-  const int GD = c.G * c.D, SG = c.S * c.G;  // S > 1: GP = G, q0 = 0
-  float* so = reinterpret_cast<float*>(a.smem);  // [S][GD]
-  float* sl = so + c.S * GD;                     // [S][G]
-  for (int i = threadIdx.x; i < c.S * GD / 4; i += NUM_THREADS)
+  const int GD = c.G * c.D, SG = c.SE * c.G;  // S > 1: GP = G, q0 = 0
+  float* so = reinterpret_cast<float*>(a.smem);  // [SE][GD]
+  float* sl = so + c.SE * GD;                    // [SE][G]
+  for (int i = threadIdx.x; i < c.SE * GD / 4; i += NUM_THREADS)
     dev::cp_async_act16(so + 4 * i, c.po + 4 * i);
   dev::cp_async_commit();
   for (int i = threadIdx.x; i < SG; i += NUM_THREADS) sl[i] = dev::ld_act_f32(c.plse + i);
@@ -576,13 +594,13 @@ __device__ __forceinline__ void merge_splits(const mpk::TaskArgs& a, const Ctx& 
   for (int j = 4 * threadIdx.x; j < GD; j += 4 * NUM_THREADS) {
     const float* lse = sl + j / c.D;
     float m = ninf;
-    for (int s = 0; s < c.S; ++s) m = fmaxf(m, lse[s * c.G]);
+    for (int s = 0; s < c.SE; ++s) m = fmaxf(m, lse[s * c.G]);
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     if (m != ninf && m == m) {
       float sum = 0.f;
-      for (int s = 0; s < c.S; ++s) sum += expf(lse[s * c.G] - m);
+      for (int s = 0; s < c.SE; ++s) sum += expf(lse[s * c.G] - m);
       const float total = m + logf(sum);
-      for (int s = 0; s < c.S; ++s) {
+      for (int s = 0; s < c.SE; ++s) {
         const float w = expf(lse[s * c.G] - total);
         const float4 v = *reinterpret_cast<const float4*>(so + s * GD + j);
         acc.x = fmaf(v.x, w, acc.x);
@@ -611,6 +629,8 @@ __device__ __forceinline__ Ctx ctx_of(const mpk::TaskArgs& a) {
   c.PS = a.i(P_PAGE_SIZE);
   c.MAXP = a.i(P_MAX_PAGES);
   c.S = a.i(P_NUM_SPLITS);
+  c.SP = a.i(P_SPLIT_POSITIONS);
+  c.SE = c.S;
   c.NP = a.i(P_NUM_PAGES);
   c.MAXPOS = a.i(P_MAX_POS);
   c.norm = a.i(P_HAS_QK_NORM) != 0 && a.has(O_Q_NORM) && a.has(O_K_NORM);
@@ -660,7 +680,7 @@ MPK_TASK_ENTRY void prologue(const mpk::TaskArgs& a) {
   const uint32_t kn = norm ? dev::ld_weight_u16(c.kn + t) : 0u;
   Setup st = {};  // p and f0 stay 0 for a row outside the table (nothing is loaded for it)
   bool writer = false;
-  st.valid = row_range(c, L, a.point(2), a.step, st.p, st.f0, writer, st.R);
+  st.valid = row_range(c, L, a.point(2), a.step, st.p, st.f0, st.se, writer, st.R);
   const int* ptrow = c.pt;
   const float* rows = c.rope + (long long)st.f0 * c.D;
   const int n_rope = st.valid ? (st.p - st.f0 + 1) * c.D : 0, n_pages = st.valid ? st.R.staged : 0;
@@ -688,33 +708,34 @@ MPK_TASK_ENTRY void prologue(const mpk::TaskArgs& a) {
 
 MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   using namespace detail;
-  const Ctx c = ctx_of(a);
+  Ctx c = ctx_of(a);
   if (!supported(c)) return;
   // One KV head (or part of its query heads) and one batch row per task (task.py: grid
   // (KVH x P, B, S)).
   const Layout L(c);
   const Setup st = *reinterpret_cast<const Setup*>(a.smem + L.pre);
-  // A flagged qkv is polled on every path, an empty row's too: the controller skipped this
-  // task's qkv wait, and what follows it (o_proj's rewrite of hidden, which qkv reads) is
-  // ordered only through these polls (compiler/flags.py).
+  c.SE = st.se;
+  const int s = a.point(2);
+  // A flagged qkv is polled on every path, an empty row's and an unused split's too: the
+  // controller skipped this task's qkv wait, and what follows it (o_proj's rewrite of hidden,
+  // which qkv reads) is ordered only through these polls (compiler/flags.py).
   if (c.qkv_ep) {
     stage_flagged_qkv(a, c, L);
     mpk::task_sync();
   }
   if (!st.valid) {
-    write_empty(a, c, 0, 0, a.point(2));
-    if (ATTN_MERGES && c.S > 1 && last_arrival(a, c)) merge_splits(a, c);
-    return;
+    if (s < c.SE) write_empty(a, c, 0, 0, s);
+  } else if (s < c.SE) {  // splits s >= SE have no positions this step: nothing to write
+    const Range& R = st.R;
+    prepare(c, L, a.smem, 0, st.p, R.flo, max(R.flo, R.hi), st.crow, st.f0);
+    mpk::task_sync();  // queries, this step's keys and values
+    a.mark(0);  // profiling: the inputs are prepared
+    // ATTN_MAX_HEAD_DIM (generated: 128, or 256 when the plan has larger heads) sizes the
+    // registers; one instantiation per build keeps the smaller heads' register budget.
+    for (int g0 = 0; g0 < c.GP; g0 += 8)
+      attend<ATTN_MAX_HEAD_DIM>(a, c, L, a.smem, 0, 0, g0, s, R);
   }
-  const Range& R = st.R;
-  prepare(c, L, a.smem, 0, st.p, R.flo, max(R.flo, R.hi), st.crow, st.f0);
-  mpk::task_sync();  // queries, this step's keys and values
-  a.mark(0);  // profiling: the inputs are prepared
-  // ATTN_MAX_HEAD_DIM (generated: 128, or 256 when the plan has larger heads) sizes the
-  // registers; one instantiation per build keeps the smaller heads' register budget.
-  for (int g0 = 0; g0 < c.GP; g0 += 8)
-    attend<ATTN_MAX_HEAD_DIM>(a, c, L, a.smem, 0, 0, g0, a.point(2), R);
-  if (ATTN_MERGES && c.S > 1 && last_arrival(a, c)) merge_splits(a, c);
+  if (ATTN_MERGES && c.SE > 1 && last_arrival(a, c)) merge_splits(a, c);
 }
 
 }  // namespace mpk::kinds::attention

@@ -15,15 +15,22 @@ Per row b, p = positions[b] + step * w, L = p + 1:
   2. the split that covers position p writes k and v there (page page_table[b, p // page_size],
      slot p % page_size); every split reads only its own positions, and positions p-i .. p come
      from step 1, so no task reads a position another task of this step writes.
-  3. split s (grid axis 2, S splits) attends to positions [s*c, min(L, (s+1)*c)), c = ceil(L/S)
-     (a position whose page entry is outside the pool is masked out) and writes the normalised
-     out [B, KVH*G*D] bf16. With several splits (at most MAX_SPLITS), split s writes fp32
-     partials part_o[b, h, s] [G*D] and part_lse[b, h, s] [G] (natural-log sum-exp, -inf when
-     empty), then adds one to its (row, KV head)'s arrival counter (TaskKind.arrivals); the
-     split whose add is the S-th of the step merges: out = sum_s exp(lse_s - lse) * o_s,
-     lse = log(sum_s exp(lse_s)), in split order, so the value does not depend on which split
-     came last. (A merge op after the splits was one more dependent phase a layer.)
-A row whose p is outside [0, max_pos) writes nothing to the caches and attends to nothing.
+  3. the row's context is cut into E of the op's S splits (grid axis 2; effective_splits: all
+     S when the attr split_positions is 0, else one split up to 2 * split_positions positions
+     and one split per split_positions beyond, at most S). Split s < E attends to positions
+     [s*c, min(L, (s+1)*c)), c = ceil(L/E) (a position whose page entry is outside the pool is
+     masked out); splits s >= E attend to nothing and write nothing. With E = 1 split 0 writes
+     the normalised out [B, KVH*G*D] bf16. With E > 1 (at most MAX_SPLITS), split s < E writes
+     fp32 partials part_o[b, h, s] [G*D] and part_lse[b, h, s] [G] (natural-log sum-exp, -inf
+     when empty), then every one of the S splits adds one to its (row, KV head)'s arrival
+     counter (TaskKind.arrivals); the split whose add makes the counter a multiple of S merges
+     the E partials: out = sum_s exp(lse_s - lse) * o_s, lse = log(sum_s exp(lse_s)), in split
+     order, so the value does not depend on which split came last. (A merge op after the
+     splits was one more dependent phase a layer.) With E = 1 no split adds: the merge's fence,
+     atomic and second round trip cost more than a second 16-position round of the kernel's
+     warps saves (perf-log, fortieth session).
+A row whose p is outside [0, max_pos) writes nothing to the caches and attends to nothing (E as
+for a one-position context).
 Grid: (KVH * P, B, S), one KV head of one row per task, or with P > 1 query-head parts (one
 split only) P tasks per KV head and row: part j (grid point h * P + j) prepares its G / P query
 heads j * G/P .. and the head's key and value, attends over every position and writes its heads'
@@ -56,6 +63,20 @@ SMALL_HEAD_DIM = 128
 FLAGGED_OUT_MAX_BYTES = 16 * 1024
 # KV splits an op may have: the merging split stages every split's partials in shared memory.
 MAX_SPLITS = 16
+# Positions one pass of the CUDA kernel's 8 warps attends (16-position blocks, one a warp): the
+# builder's split_positions. A split of more positions walks a second pass after the first.
+ROUND_POSITIONS = 8 * 16
+
+
+def effective_splits(length: int, splits: int, split_positions: int) -> int:
+    """The splits a row of `length` context positions uses (module doc, 3.): all `splits` when
+    split_positions is 0; else 1 up to 2 * split_positions positions, then one per
+    split_positions (rounded up), at most `splits`."""
+    if split_positions <= 0:
+        return splits
+    if length <= 2 * split_positions:
+        return 1
+    return min(splits, -(-length // split_positions))
 
 
 def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -96,8 +117,10 @@ class Attention(TaskKind):
     params = (Param("batch"), Param("group"), Param("head_dim"), Param("kv_heads"),
               Param("page_size"), Param("max_pages"), Param("num_splits"),
               Param("scale", is_float=True), Param("num_pages"), Param("max_pos"),
-              Param("has_qk_norm"), Param("eps", is_float=True), Param("parts"))
-    attrs = {"scale": 0.0, "eps": 1e-6}  # scale 0 means head_dim ** -0.5
+              Param("has_qk_norm"), Param("eps", is_float=True), Param("parts"),
+              Param("split_positions"))
+    # scale 0 means head_dim ** -0.5; split_positions 0: every split always (effective_splits)
+    attrs = {"scale": 0.0, "eps": 1e-6, "split_positions": 0}
     # sm90.cuh sizes its register arrays for heads up to this: 128, or 256 when a plan needs it
     # ATTN_MERGES: 1 when an op of the plan has several KV splits (else the merge compiles out:
     # its code beside one-split plans' changed their register allocation)
@@ -163,6 +186,10 @@ class Attention(TaskKind):
         op.expect_dtype("rope", DType.F32)
         op.expect_dtype("positions", DType.I32)
         op.expect_dtype("page_table", DType.I32)
+        if int(op.attrs["split_positions"]) != op.attrs["split_positions"] or \
+                op.attrs["split_positions"] < 0:
+            raise op.error(f"split_positions must be a whole number >= 0 (0: every KV split "
+                           f"always), got {op.attrs['split_positions']}")
         parts = self._check_grid(op, kv_heads, batch, group)
         self._check_outputs(op, batch, kv_heads, group, head_dim, parts)
         op.expect_same_split("qkv", 1, "k_cache", 2)
@@ -231,7 +258,8 @@ class Attention(TaskKind):
                 "max_pages": op.shape("page_table")[1], "num_splits": op.grid[2],
                 "scale": scale, "num_pages": num_pages,
                 "max_pos": op.shape("rope")[0], "has_qk_norm": int(op.has("q_norm")),
-                "eps": op.attrs["eps"], "parts": _parts(op.grid, kv_heads)}
+                "eps": op.attrs["eps"], "parts": _parts(op.grid, kv_heads),
+                "split_positions": int(op.attrs["split_positions"])}
 
     def region(self, op: OpView, operand: str, point: tuple[int, int, int]) -> Box:
         box = super().region(op, operand, point)
@@ -266,26 +294,31 @@ class Attention(TaskKind):
         index, width = runs.row_run(tile["runs"][0] if tile.has("runs") else None, row)
         pos = int(tile["positions"][0]) + tile.step * width
         if not 0 <= pos < p["max_pos"]:
-            self._write_result(tile, None, None, p)
+            used = effective_splits(1, p["num_splits"], p["split_positions"])
+            self._write_result(tile, None, None, p, used)
             return
         q, k, v = self._vectors(tile, row, pos, heads, group, d, p)
         # This step's keys and values of the run's rows up to this one, by position.
         fresh = {pos: (k, v)}
         fresh.update({pos - j: self._vectors(tile, row - j, pos - j, heads, group, d, p)[1:]
                       for j in range(1, index + 1) if pos - j >= 0})
-        part = tile.point[0] % p["parts"]  # the task's query-head part
-        if part == 0:  # part 0 alone appends
-            self._append(tile, pos, *fresh[pos], p)
         length = pos + 1
-        chunk = math.ceil(length / p["num_splits"])
-        lo, hi = tile.point[2] * chunk, min(length, (tile.point[2] + 1) * chunk)
+        used = effective_splits(length, p["num_splits"], p["split_positions"])
+        chunk = math.ceil(length / used)
+        part, split = tile.point[0] % p["parts"], tile.point[2]  # the task's query-head part
+        if part == 0 and pos // chunk == split:  # part 0 of the split covering pos appends
+            self._append(tile, pos, *fresh[pos], p)
+        if split >= used:  # attends to nothing, writes nothing (but arrives: _write_result)
+            self._write_result(tile, None, None, p, used)
+            return
+        lo, hi = split * chunk, min(length, (split + 1) * chunk)
         o, lse = _partial(q, tile, lo, hi, p, fresh)
         if p["num_splits"] == 1:
             # A part's heads of the whole group's result: torch's sums may round differently
             # for other shapes, and the parts must not change a value (the module doc).
             share = group // p["parts"]
             o = o[:, part * share: (part + 1) * share]
-        self._write_result(tile, o, lse, p)
+        self._write_result(tile, o, lse, p, used)
 
     def _vectors(self, tile: Tile, row: int, pos: int, heads: int, group: int, d: int, p: dict
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -300,10 +333,9 @@ class Attention(TaskKind):
         return bf16(rope_rotate(q, cos, sin)), bf16(rope_rotate(k, cos, sin)), v
 
     def _append(self, tile: Tile, pos: int, k: torch.Tensor, v: torch.Tensor, p: dict) -> None:
-        """The split that covers `pos` writes its key and value to the row's page."""
-        chunk = math.ceil((pos + 1) / p["num_splits"])
+        """Write the key and value of `pos` to the row's page (the covering split's task)."""
         page_index = pos // p["page_size"]
-        if pos // chunk == tile.point[2] and page_index < p["max_pages"]:
+        if page_index < p["max_pages"]:
             page = int(tile["page_table"][0, page_index])
             if 0 <= page < p["num_pages"]:
                 slot = pos % p["page_size"]
@@ -311,27 +343,32 @@ class Attention(TaskKind):
                 tile["v_cache"][page, slot].copy_(v)
 
     def _write_result(self, tile: Tile, o: torch.Tensor | None, lse: torch.Tensor | None,
-                      p: dict) -> None:
-        """out from o [heads, G', D] (None: a row outside the rope table, zeros); with several
-        splits this split's partials, merged into out by the split that arrives last."""
-        if p["num_splits"] == 1:
-            out = tile["out"][0]
-            if o is None:
-                out.zero_()
-            else:
-                out.copy_(o.reshape(out.shape))
-            return
+                      p: dict, used: int) -> None:
+        """out from o [heads, G', D] (None: a row outside the rope table, zeros) when the row
+        uses one split (`used`: effective_splits), by split 0; with several, split s < used
+        writes its partials (s >= used nothing), every split arrives and the one whose add
+        completes the step's S merges the used splits' partials into out."""
         s = tile.point[2]
-        if o is None:
-            tile["part_o"][0, :, s].zero_()
-            tile["part_lse"][0, :, s].fill_(-math.inf)
-        else:
-            tile["part_o"][0, :, s].copy_(o.reshape(tile["part_o"].shape[1], -1))
-            tile["part_lse"][0, :, s].copy_(lse)
+        if used == 1:
+            if s == 0:
+                out = tile["out"][0]
+                if o is None:
+                    out.zero_()
+                else:
+                    out.copy_(o.reshape(out.shape))
+            return
+        if s < used:
+            if o is None:
+                tile["part_o"][0, :, s].zero_()
+                tile["part_lse"][0, :, s].fill_(-math.inf)
+            else:
+                tile["part_o"][0, :, s].copy_(o.reshape(tile["part_o"].shape[1], -1))
+                tile["part_lse"][0, :, s].copy_(lse)
         if tile.arrive is None:
             raise AssertionError("attention with several KV splits runs where tasks arrive")
         if tile.arrive():
-            tile["out"].copy_(merge_splits(tile["part_o"], tile["part_lse"]))
+            tile["out"].copy_(merge_splits(tile["part_o"][:, :, :used],
+                                           tile["part_lse"][:, :, :used]))
 
     def cost(self, op: OpView) -> TaskCost:
         # Decode attention cost grows with the context; the scheduler assumes 1k positions.
