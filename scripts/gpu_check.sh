@@ -169,26 +169,25 @@ case $mode in
     ab() {
       python3 scripts/ab_decode.py --rounds 3 --new-tokens 100 "$@" 2>&1 | tail -1 | cut -c1-300
     }
-    # model:prompt length:SPLIT_POSITIONS values, timed in this order (256 is the builder's
-    # default: 1 split at 128 positions, 3 at 576; 64 / 32 / 16 force 2 / 4 / 8 at 128 and
-    # 100000 forces 1)
-    cases="qwen3-0.6b:16:256,64,32,16,256 llama-3.2-1b:16:256,64,32,256"
-    cases="$cases qwen3-0.6b:462:256,100000,64,256"
+    # model:prompt length:plan positions (0: what the prompt and tokens need):SPLIT_POSITIONS
+    # values, timed in this order (64 is the builder's; perf-log fortieth session)
+    cases="qwen3-0.6b:16:0:64,128 qwen3-0.6b:16:2048:64 qwen3-0.6b:200:0:64,128,32"
+    cases="$cases qwen3-0.6b:462:0:64,128,32 qwen3-0.6b:1400:0:64,128"
     for c in $cases; do  # builds first, in parallel (nvcc only)
-      IFS=: read -r model len sps <<< "$c"
+      IFS=: read -r model len plan sps <<< "$c"
       for sp in ${sps//,/ }; do
-        ab --model "$model" --prompt-len "$len" --split-positions "$sp" --build-only \
-          > "$OUT/build-$model-$len-$sp.txt" &
+        ab --model "$model" --prompt-len "$len" --plan-positions "$plan" --split-positions "$sp" \
+          --build-only > "$OUT/build-$model-$len-$plan-$sp.txt" &
       done
     done
     wait
     cat "$OUT"/build-*.txt | cut -c1-160
     for c in $cases; do
-      IFS=: read -r model len sps <<< "$c"
+      IFS=: read -r model len plan sps <<< "$c"
       for sp in ${sps//,/ }; do
         left=$((BUDGET - ($(date +%s) - START)))
-        [ "$left" -gt 40 ] && echo "$model $len split-positions $sp: $(ab --model "$model" \
-          --prompt-len "$len" --split-positions "$sp")"
+        [ "$left" -gt 40 ] && echo "$model $len (plan $plan) split-positions $sp: $(ab --model \
+          "$model" --prompt-len "$len" --plan-positions "$plan" --split-positions "$sp")"
       done
     done
     ;;

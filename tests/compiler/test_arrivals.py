@@ -94,7 +94,7 @@ def test_too_many_splits_or_no_out_are_refused() -> None:
 
 
 def test_the_merged_output_is_flagged_and_polled_and_the_next_steps_splits_wait_counted() -> None:
-    """qwen3-0.6b b1 with 8 splits: attn is flagged (the splits' equal out boxes count once in
+    """qwen3-0.6b b1 with 16 splits: attn is flagged (the splits' equal out boxes count once in
     covers_whole), o_proj polls it instead of counting attention's tasks, and each attention task
     keeps its counted wait on the previous step's attention (its partials and KV append are
     plain writes: flags.counted_edges), which orders the merging split's reads of the partials

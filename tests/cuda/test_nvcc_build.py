@@ -155,7 +155,7 @@ def test_qwen3_0_6b_megakernel_compiles_clean(cache_root: Path, lone: bool) -> N
     """The megakernel exactly as `mpk generate --model qwen3-0.6b --backend cuda` builds it, and
     the serving engine's one-row plan beside 16 slots (`mpk bench --serving`'s 384 positions):
     its linears and KV splits are the 16-row plan's, one split (no merge by the last split;
-    the plain plan has 8 splits and builds it). It also holds the runtime's consumers-first
+    the plain plan has 16 splits and builds it). It also holds the runtime's consumers-first
     branch order: with the producers' branch first, ptxas keeps the consumers within 168
     registers and this plan spills 160 B (seventeenth session)."""
     from mpk.compiler.lower import compile_graph

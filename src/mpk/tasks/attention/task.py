@@ -26,9 +26,11 @@ Per row b, p = positions[b] + step * w, L = p + 1:
      counter (TaskKind.arrivals); the split whose add makes the counter a multiple of S merges
      the E partials: out = sum_s exp(lse_s - lse) * o_s, lse = log(sum_s exp(lse_s)), in split
      order, so the value does not depend on which split came last. (A merge op after the
-     splits was one more dependent phase a layer.) With E = 1 no split adds: the merge's fence,
-     atomic and second round trip cost more than a second 16-position round of the kernel's
-     warps saves (perf-log, fortieth session).
+     splits was one more dependent phase a layer.) With E = 1 no split adds (its counter
+     stays a multiple of S). A short context is one split because the merge (a fence, an
+     atomic and a second round trip, ~2.8 us a layer on qwen3-0.6b) costs more than splitting
+     a context of up to one round of the CUDA kernel's warps saves (perf-log, fortieth
+     session).
 A row whose p is outside [0, max_pos) writes nothing to the caches and attends to nothing (E as
 for a one-position context).
 Grid: (KVH * P, B, S), one KV head of one row per task, or with P > 1 query-head parts (one
@@ -63,9 +65,6 @@ SMALL_HEAD_DIM = 128
 FLAGGED_OUT_MAX_BYTES = 16 * 1024
 # KV splits an op may have: the merging split stages every split's partials in shared memory.
 MAX_SPLITS = 16
-# Positions one pass of the CUDA kernel's 8 warps attends (16-position blocks, one a warp): the
-# builder's split_positions. A split of more positions walks a second pass after the first.
-ROUND_POSITIONS = 8 * 16
 
 
 def effective_splits(length: int, splits: int, split_positions: int) -> int:
