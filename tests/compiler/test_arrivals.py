@@ -176,3 +176,31 @@ def test_split_order_does_not_matter_when_rows_use_fewer_splits() -> None:
 def test_a_negative_split_positions_is_refused() -> None:
     with pytest.raises(GraphError, match="split_positions"):
         attention_problem(2, 64, SPLITS, (1, 17), 1, kv_heads=KV_HEADS, split_positions=-1)
+
+
+def test_rewound_rows_go_back_to_fewer_splits() -> None:
+    """The engine rewinds positions between launches: the same three steps again (rows back to
+    one split, row 1 crossing to three again) give the same out bits, and each counter that
+    arrived counts the second launch's arrivals too."""
+    plan, inputs = context_plan()
+    ex = run(plan, inputs, steps=3)
+    first_out = ex.read("o").clone()
+    ex.write("positions", inputs["positions"])
+    ex.run(3)
+    assert torch.equal(ex.read("o"), first_out)
+    first = int(plan.op_params[0, record.ARRIVALS_PARAM])
+    counters = ex.counters.value[first:].reshape(4, KV_HEADS)
+    assert counters.tolist() == [[0, 0], [2 * SPLITS] * 2, [6 * SPLITS] * 2, [6 * SPLITS] * 2]
+
+
+def test_a_row_outside_the_rope_table_uses_one_split() -> None:
+    """With split_positions, a row past the rope table is a one-position context: split 0
+    writes zeros to out and no split arrives."""
+    graph, inputs, _ = attention_problem(2, 64, SPLITS, (5, 40), 1, kv_heads=KV_HEADS,
+                                         max_pos=32, seed=5, split_positions=16)
+    plan = compile_graph(graph, num_sms=8)
+    ex = run(plan, inputs, steps=1)
+    out = ex.read("o")
+    assert (out[1] == 0).all() and out[0].abs().sum() > 0
+    first = int(plan.op_params[0, record.ARRIVALS_PARAM])
+    assert (ex.counters.value[first:] == 0).all()

@@ -176,11 +176,13 @@ def test_attention_steps_and_long():
     attention_case(4, 128, 4, lengths=(2000, 33), steps=2, seed=3)
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_attention_row_outside_the_rope_table(splits):
+@pytest.mark.parametrize("splits,split_positions", [(1, 0), (3, 0), (3, 16)])
+def test_attention_row_outside_the_rope_table(splits, split_positions):
     """A row whose position is past the rope table attends to nothing and appends nothing
-    (with splits: every split's partials empty, and the merge's out zeros)."""
-    attention_case(2, 64, splits, lengths=(5, 40), max_pos=32, seed=9)
+    (with splits: every split's partials empty, and the merge's out zeros; with
+    split_positions a one-position context: split 0 writes the zeros, nobody arrives)."""
+    attention_case(2, 64, splits, lengths=(5, 40), max_pos=32, seed=9,
+                   split_positions=split_positions)
 
 
 def test_attention_cached_pages_outside_the_pool_are_masked():

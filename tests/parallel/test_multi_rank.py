@@ -189,7 +189,7 @@ def test_two_ranks_with_kv_splits_equal_the_single_rank_plan(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A shape for long contexts splits each rank's attention (its last split merges: arrival
     counters, Tile.arrive on every rank); tokens equal the single-rank plan's. At 4 positions
-    a split, row 0 uses three splits from its 9th position on."""
+    a split, a row uses three splits from its 9th position on."""
     cfg = get_preset("tiny-qwen3")
     seed, weights, _, tokens, _ = _single_rank(cfg)
     monkeypatch.setattr(builder, "SPLIT_POSITIONS", 4)

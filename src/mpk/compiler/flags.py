@@ -31,10 +31,13 @@ attention waits on this step's, long since done) and r must not touch them; r's 
 conflicts with P may only be writes to what the counted tasks read (a flagged write is computed
 from its task's reads of whole inputs, flag_operands' contract). Waits the transitive reduction
 dropped because c implied them stay ordered the same way: each counted task ran after its own
-waits were met, and r acts only after seeing all of its writes. A task that reads any flagged
-tensor has record.POLLS set: the CUDA storer watches it (a poll that never sees its epoch is
-reported). The records keep every wait: the interpreter, the deadlock simulation and the
-mutation tests see the same dependencies as before.
+waits were met, and r acts only after seeing all of its writes. The exception is a task that in
+some step touches no activation at all (attention's splits that a short row does not use:
+tasks/attention): it polls nothing and writes nothing, so r may act before it ends, and nothing
+it could conflict with is ordered through it (its counter still counts it for counted waits). A
+task that reads any flagged tensor has record.POLLS set: the CUDA storer watches it (a poll that
+never sees its epoch is reported). The records keep every wait: the interpreter, the deadlock
+simulation and the mutation tests see the same dependencies as before.
 """
 
 from __future__ import annotations

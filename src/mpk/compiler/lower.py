@@ -110,8 +110,8 @@ def _scratch_bytes(ops: list[TiledOp]) -> int:
 def _arrival_counters(ops: list[TiledOp], counts: list[int]
                       ) -> tuple[list[int], dict[int, int]]:
     """The dependency counters' counts followed by each op's arrival counters (TaskKind.arrivals:
-    one per group, counting the group's tasks a step, as a dependency counter counts its
-    signallers), and the first arrival counter of each op that has them."""
+    one per group, counting the group's tasks, which add all or none in a step), and the first
+    arrival counter of each op that has them."""
     counts, first = list(counts), {}
     for op in ops:
         arrivals = op.kind.arrivals(op.view)

@@ -71,7 +71,9 @@ class Plan:
     op_params: np.ndarray  # int32 [num_ops, PARAM_WORDS]
     instrs: np.ndarray  # int32 [num_sms, max_len, WORDS]
     lengths: np.ndarray  # int32 [num_sms]
-    counter_counts: np.ndarray  # int32 [num_counters]: signals per counter per step
+    # int32 [num_counters]: signals per counter per step (an arrival counter: its group's tasks,
+    # which add all or none in a step)
+    counter_counts: np.ndarray
     arena_bytes: int
     # Shared memory one task may use (the largest TaskKind.scratch_bytes of the plan, rounded up
     # to 16 KB so similar plans share a CUDA build); the rest holds weight pages.

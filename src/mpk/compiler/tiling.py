@@ -64,8 +64,8 @@ def _access(kind: TaskKind, view: OpView, operand: str, points: np.ndarray) -> A
 
 def covers_whole(boxes: np.ndarray, shape: tuple[int, ...]) -> bool:
     """Do the boxes of one op's writes cover the whole tensor? Boxes are disjoint or equal
-    (tasks that share an output box, as attention's KV splits share out, where the last split
-    writes it: TaskKind.disjoint_writes); each distinct box counts once."""
+    (tasks that share an output box, as attention's KV splits share out, where one split writes
+    it: TaskKind.disjoint_writes); each distinct box counts once."""
     distinct = np.unique(boxes.reshape(len(boxes), -1), axis=0).reshape(-1, *boxes.shape[1:])
     volume = np.prod(distinct[:, :, 1] - distinct[:, :, 0], axis=1).sum()
     return int(volume) == int(np.prod(shape))

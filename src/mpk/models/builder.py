@@ -45,10 +45,10 @@ if TYPE_CHECKING:  # models/ stays below parallel/: the builder only calls tp's 
 BF16, F32, I32 = DType.BF16, DType.F32, DType.I32
 # Attention's split_positions (tasks/attention effective_splits): a row's context stays in one KV
 # split up to 128 positions (one round of the kernel's 8 warps of 16-position blocks) and takes
-# one split per 64 beyond. qwen3-0.6b b1 on an H100 (perf-log, fortieth session): at 128
-# positions 2 / 4 / 8 splits cost 10% (one round either way, plus the merge); splits of 64 beat
-# those of 128 by 3.5-3.8% at 200-300 and 576 positions and by 0.5% at 1,400 (the fewer KV bytes
-# a SM stages, the sooner its round ends).
+# ceil(positions / 64) beyond (3 or more). qwen3-0.6b b1 on an H100 (perf-log, fortieth session):
+# at 128 positions 2 / 4 / 8 splits cost 10% (one round either way, plus the merge); splits of 64
+# beat those of 128 by 3.5-3.8% at 200-300 and 576 positions and by 0.5% at 1,400 (the fewer KV
+# bytes a SM stages, the sooner its round ends).
 SPLIT_POSITIONS = 64
 # Attention's query heads are parted over tasks (tasks/attention) for groups of PART_GROUP or
 # more, down to PART_HEADS heads a task, while the parted op takes at most PART_SMS of the SMs:

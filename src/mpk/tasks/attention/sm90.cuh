@@ -716,10 +716,13 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   const Setup st = *reinterpret_cast<const Setup*>(a.smem + L.pre);
   c.SE = st.se;
   const int s = a.point(2);
-  // A flagged qkv is polled on every path, an empty row's and an unused split's too: the
+  // A flagged qkv is polled by every split the row uses, an empty row's split 0 too: the
   // controller skipped this task's qkv wait, and what follows it (o_proj's rewrite of hidden,
-  // which qkv reads) is ordered only through these polls (compiler/flags.py).
-  if (c.qkv_ep) {
+  // which qkv reads) is ordered only through these polls (compiler/flags.py). A split the row
+  // does not use (s >= SE) reads and writes none of this step's activations (split 0 of its row
+  // and head polls the same words), so o_proj seeing out while it still runs orders nothing
+  // it touches.
+  if (c.qkv_ep && s < c.SE) {
     stage_flagged_qkv(a, c, L);
     mpk::task_sync();
   }

@@ -15,22 +15,22 @@ Per row b, p = positions[b] + step * w, L = p + 1:
   2. the split that covers position p writes k and v there (page page_table[b, p // page_size],
      slot p % page_size); every split reads only its own positions, and positions p-i .. p come
      from step 1, so no task reads a position another task of this step writes.
-  3. the row's context is cut into E of the op's S splits (grid axis 2; effective_splits: all
-     S when the attr split_positions is 0, else one split up to 2 * split_positions positions
-     and one split per split_positions beyond, at most S). Split s < E attends to positions
-     [s*c, min(L, (s+1)*c)), c = ceil(L/E) (a position whose page entry is outside the pool is
-     masked out); splits s >= E attend to nothing and write nothing. With E = 1 split 0 writes
-     the normalised out [B, KVH*G*D] bf16. With E > 1 (at most MAX_SPLITS), split s < E writes
-     fp32 partials part_o[b, h, s] [G*D] and part_lse[b, h, s] [G] (natural-log sum-exp, -inf
-     when empty), then every one of the S splits adds one to its (row, KV head)'s arrival
-     counter (TaskKind.arrivals); the split whose add makes the counter a multiple of S merges
-     the E partials: out = sum_s exp(lse_s - lse) * o_s, lse = log(sum_s exp(lse_s)), in split
-     order, so the value does not depend on which split came last. (A merge op after the
-     splits was one more dependent phase a layer.) With E = 1 no split adds (its counter
-     stays a multiple of S). A short context is one split because the merge (a fence, an
-     atomic and a second round trip, ~2.8 us a layer on qwen3-0.6b) costs more than splitting
-     a context of up to one round of the CUDA kernel's warps saves (perf-log, fortieth
-     session).
+  3. the row's context is cut into E of the op's S splits (grid axis 2; effective_splits: all S
+     when the attr split_positions is 0, else one split up to 2 * split_positions positions and
+     ceil(L / split_positions) beyond, at most S: 1, then 3 or more). Split s < E attends to
+     positions [s*c, min(L, (s+1)*c)), c = ceil(L/E) (a position whose page entry is outside
+     the pool is masked out); splits s >= E attend to nothing and write nothing. With E = 1
+     split 0 writes the normalised out [B, KVH*G*D] bf16. With E > 1 (at most MAX_SPLITS),
+     split s < E writes fp32 partials part_o[b, h, s] [G*D] and part_lse[b, h, s] [G]
+     (natural-log sum-exp, -inf when empty), then every one of the S splits adds one to its
+     (row, KV head)'s arrival counter (TaskKind.arrivals); the split whose add makes the
+     counter a multiple of S merges the E partials: out = sum_s exp(lse_s - lse) * o_s, lse =
+     log(sum_s exp(lse_s)), in split order, so the value does not depend on which split came
+     last. (A merge op after the splits was one more dependent phase a layer.) With E = 1 no
+     split adds (its counter stays a multiple of S). A short context is one split because the
+     merge (a fence, an atomic and a second round trip, ~2.8 us a layer on qwen3-0.6b) costs
+     more than splitting a context of up to one round of the CUDA kernel's warps saves
+     (perf-log, fortieth session).
 A row whose p is outside [0, max_pos) writes nothing to the caches and attends to nothing (E as
 for a one-position context).
 Grid: (KVH * P, B, S), one KV head of one row per task, or with P > 1 query-head parts (one
@@ -107,8 +107,9 @@ class Attention(TaskKind):
     # Each batch row appends its own position (rows that share pages form a run and hold
     # distinct positions) and a split writes only the position it attends to, so tasks' cache
     # writes never meet at run time although their boxes (all pages of the head) overlap. With
-    # several splits, a task writes its own split's partials, and only the merging one writes
-    # out (its boxes: the (row, KV head)'s, in every split).
+    # several splits, a task writes its own split's partials, and only one writes out (its
+    # boxes: the (row, KV head)'s, in every split): split 0 of a row that uses one split, else
+    # the merging split.
     disjoint_writes = ("k_cache", "v_cache", "part_o", "part_lse", "out")
     # The CUDA prologue stages the row's position, its page-table slice, the RoPE rows and the
     # norm weights while the task waits for qkv: only the host and the bind write these.
@@ -185,8 +186,7 @@ class Attention(TaskKind):
         op.expect_dtype("rope", DType.F32)
         op.expect_dtype("positions", DType.I32)
         op.expect_dtype("page_table", DType.I32)
-        if int(op.attrs["split_positions"]) != op.attrs["split_positions"] or \
-                op.attrs["split_positions"] < 0:
+        if not isinstance(op.attrs["split_positions"], int) or op.attrs["split_positions"] < 0:
             raise op.error(f"split_positions must be a whole number >= 0 (0: every KV split "
                            f"always), got {op.attrs['split_positions']}")
         parts = self._check_grid(op, kv_heads, batch, group)
