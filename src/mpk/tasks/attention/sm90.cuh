@@ -494,7 +494,7 @@ struct Setup {
 static_assert(sizeof(Setup) <= 64, "Layout reserves 64 bytes for the prologue's Setup");
 
 // The splits a row of `length` positions uses (task.py effective_splits): all S when SP is 0,
-// else one up to 2 * SP positions, then one per SP positions, at most S.
+// else one up to 2 * SP positions, then ceil(length / SP), at most S.
 __device__ __forceinline__ int effective_splits(int length, int S, int SP) {
   if (SP <= 0) return S;
   if (length <= 2 * SP) return 1;
@@ -575,11 +575,10 @@ __device__ __forceinline__ bool last_arrival(const mpk::TaskArgs& a, const Ctx& 
 
 // The last split's merge of the SE used splits (in split order, so the value does not depend on
 // which split came last): out = sum_s exp(lse_s - lse) * o_s, lse = log(sum_s exp(lse_s)); an
-// empty split
-// (lse = -inf) weighs 0, an all-empty head gives 0. Every split's partials come to shared memory
-// first (from byte 0: attend's regions are free; task.py scratch_bytes holds them), all copies
-// in flight together (one L2 round trip; held in registers they spilled the kernel). Then a
-// thread takes 4 columns of one query head; a flagged out gets two words.
+// empty split (lse = -inf) weighs 0, an all-empty head gives 0. Every used split's partials come
+// to shared memory first (from byte 0: attend's regions are free; task.py scratch_bytes holds
+// them), all copies in flight together (one L2 round trip; held in registers they spilled the
+// kernel). Then a thread takes 4 columns of one query head; a flagged out gets two words.
 __device__ __forceinline__ void merge_splits(const mpk::TaskArgs& a, const Ctx& c) {
   const int GD = c.G * c.D, SG = c.SE * c.G;  // S > 1: GP = G, q0 = 0
   float* so = reinterpret_cast<float*>(a.smem);  // [SE][GD]
