@@ -13,9 +13,9 @@
 #   bash scripts/gpu_check.sh wgmma        scripts/wgmma_gemm_probe.cu: the prefill GEMM tile on
 #                                          warpgroup MMAs alone (correct? TFLOP/s?), before a port
 #   bash scripts/gpu_check.sh splits       where attention's KV splits pay: scripts/ab_decode.py on
-#                                          qwen3-0.6b and llama-3.2-1b b1 in plans of 128 and 576
-#                                          positions, the builder's split count and forced ones
-#                                          (--split-positions; the numbers decide SPLIT_POSITIONS)
+#                                          qwen3-0.6b b1 at 128, 200-300, 576 and 1,504 positions
+#                                          and a 2048-position plan at 128, the builder's
+#                                          SPLIT_POSITIONS 64 against 32 and 128 (--split-positions)
 #   bash scripts/gpu_check.sh tp           tensor parallelism (needs >= 2 GPUs: nvidia-h200-x2+)
 #   bash scripts/gpu_check.sh runs         the fifth session's unrun CUDA (attention's run rows,
 #                                          sampling positions): its kernel tests, the engine's runs
