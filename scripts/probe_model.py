@@ -18,8 +18,9 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
   attn_m_polled  attention's INPUT mark once the flagged qkv is polled (before prepare),
   lin_m_allwalked  a linear's COMPUTE mark once every warp's walk of a shared block is done,
   lin_e_done, lin_e_finished  a linear's COMPUTE mark once finish_shared (or pc.finish()) is done,
-  lin_i_entry, lin_i_issued, lin_i_landed, lin_i_summed  a linear's INPUT mark at the chunk loop's
-             start, after thread 0 issued its x copies, once all landed, or the norm's sums done,
+  lin_i_entry, lin_i_issued, lin_i_landed, lin_i_polled, lin_i_summed  a linear's INPUT mark at
+             the chunk loop's start, after thread 0 issued its x copies, once all landed (a
+             flagged x: once polled in), or the norm's sums done,
   lin_s_top, lin_s_taskof, lin_s_init, lin_s_page0  a linear's INPUT mark in its set-up: run()'s
              entry, after task_of, after the scratch's slots are set, after the norm page's wait,
   no_units   the page protocol without the units (timing only),
@@ -364,6 +365,8 @@ PM_SYNC_MARK = ("    if (pm) {\n      mpk::task_sync();\n" + PM_MARK.replace("  
                 + "    }\n")
 PATCHES["lin_i_landed"] = {"linear/sm90.cuh": [*PA_EDITS, (WAITED, WAITED.replace(
     "  }\n", PM_SYNC_MARK + "  }\n"))]}
+POLLED = "    poll_stage(t, s, k0, vpr, vfill);\n"
+PATCHES["lin_i_polled"] = {"linear/sm90.cuh": [*PA_EDITS, (POLLED, POLLED + PM_SYNC_MARK)]}
 SUMMED = "    sum_squares(t, s, kc, false);\n    mpk::task_sync();  // red complete\n"
 PATCHES["lin_i_summed"] = {"linear/sm90.cuh": [*PA_EDITS, (SUMMED, SUMMED + PM_MARK)]}
 # Where a linear's set-up goes (timing; same results): INPUT := thread 0 at run()'s entry (the
@@ -386,7 +389,8 @@ RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "
         "moe_noload": "moe_noload", "quiet_signal": "quiet_signal", "walk_cycles": "walk_cycles", "walk_clock": "walk_clock", "walk_start": "walk_start", "no_loader_walk_cycles": "no_loader_walk_cycles", "no_aload_walk_cycles": "no_aload_walk_cycles", "no_wload_walk_cycles": "no_wload_walk_cycles", "epi_cycles": "epi_cycles", "moe_inflight2x": "moe_inflight2x",
         "moe_gu_pf": "moe_gu_pf", "moe_down_pf": "moe_down_pf", "moe_pf": "moe_pf",
         "no_loader_moe_pf": "no_loader_moe_pf",
-        **{n: n for n in ("lin_i_entry", "lin_i_issued", "lin_i_landed", "lin_i_summed")},
+        **{n: n for n in ("lin_i_entry", "lin_i_issued", "lin_i_landed", "lin_i_polled",
+                                  "lin_i_summed")},
         **{n: n for n in SETUP_MARKS}}
 
 
