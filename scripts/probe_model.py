@@ -390,7 +390,7 @@ RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "
         "moe_gu_pf": "moe_gu_pf", "moe_down_pf": "moe_down_pf", "moe_pf": "moe_pf",
         "no_loader_moe_pf": "no_loader_moe_pf",
         **{n: n for n in ("lin_i_entry", "lin_i_issued", "lin_i_landed", "lin_i_polled",
-                                  "lin_i_summed")},
+                          "lin_i_summed")},
         **{n: n for n in SETUP_MARKS}}
 
 
