@@ -281,7 +281,8 @@ class Attention(TaskKind):
         keys = 8 * 16 * d * 2 if d <= SMALL_HEAD_DIM else 0
         layout = (8 * 8 * d * 4 + keys + 2 * 8 * 8 * 4 + 8 * 2 * 8 * 16 * 2
                   + -(-group * d * 2 // 16) * 16
-                  + 2 * batch * d * 2 + 8 * d * 4 + 64 + batch * d * 4 + 2 * d * 4 + 4096)
+                  + 2 * batch * d * 2 + 8 * d * 4 + 64 + batch * d * 4 + 2 * d * 4
+                  + -(-4 * op.shape("page_table")[1] // 16) * 16)
         splits = op.grid[2]
         return max(layout, splits * group * (d + 1) * 4 if splits > 1 else 0)
 
