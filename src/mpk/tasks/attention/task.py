@@ -274,7 +274,9 @@ class Attention(TaskKind):
         # sm90.cuh's Layout: per-warp (m, l, O) states, a block's keys per warp (heads up to
         # 128: kStageKeys), the P transposes, the prepared queries, this step's keys and values
         # (up to one per batch row: a run's width), the per-warp RoPE buffers, the prologue's
-        # setup, RoPE rows (one per batch row) and norm weights, >= 1024 page-table entries;
+        # setup, RoPE rows (one per batch row) and norm weights, the op's page-table row (every
+        # entry a row can use: a fixed 1,024 kept llama-3.2-1b b1 at 10 weight pages, and each
+        # page it lacked cost it ~1.3%: perf-log, forty-first session);
         # with several splits at least the merge's staged partials (every split's o and lse)
         d = op.shape("k_cache")[3]
         group, batch = self.param_values(op)["group"], op.shape("qkv")[0]
