@@ -52,3 +52,14 @@ def test_batch_16_stages_a_k_of_3072_in_one_chunk() -> None:
     assert chunk_k(16, 3072) == 3072
     assert chunk_k(16, 4096) < 4096
     assert chunk_k(8, 4096) == 4096
+
+
+def test_attention_reserves_its_page_table_row_not_a_fixed_1024_entries() -> None:
+    # A fixed 1,024 page-table entries (4 KB of attention's scratch) kept llama-3.2-1b at batch 1
+    # to 10 weight pages; each page is worth ~1.3% of its step there (perf-log, forty-first
+    # session). Its row of a 4,096-position plan is 256 entries: the plan keeps 11.
+    shape = DecodeShape(batch=1, max_pages=256, num_pages=256)
+    plan = compile_graph(build_graph(get_preset("llama-3.2-1b"), shape), DEFAULT_NUM_SMS)
+    op = next(op for op in plan.ops if op.kind == "attention")
+    assert plan.op_view(plan.ops.index(op)).tensors["page_table"].shape[1] == 256
+    assert codegen.num_pages(plan.scratch_bytes) == 11
