@@ -21,8 +21,7 @@ headers (probe_phases.include_dir; the product is unchanged) to explain the comp
   lin_i_entry, lin_i_issued, lin_i_landed, lin_i_polled, lin_i_summed  a linear's INPUT mark at
              the chunk loop's start, after thread 0 issued its x copies, once all landed (a
              flagged x: once polled in), or the norm's sums done,
-  lin_s_top, lin_s_taskof, lin_s_init, lin_s_page0  a linear's INPUT mark in its set-up: run()'s
-             entry, after task_of, after the scratch's slots are set, after the norm page's wait,
+  lin_s_top, lin_s_taskof  a linear's INPUT mark in its set-up: run()'s entry, after task_of,
   no_units   the page protocol without the units (timing only),
   no_xread   ablation (wrong outputs, timing only): the linear staging stores zeros where its
              cp.async copies of x would land (no global read of the input),
@@ -146,16 +145,16 @@ PATCHES["attn_m_loop"] = {"attention/sm90.cuh": [(ATTN_MARK, ""), (LOOP_DONE, US
 # Where a linear's epilogue goes (timing; same results): COMPUTE := every warp's walk of the
 # block done (their sums forced into registers, then a barrier) instead of warp 0's: the rest
 # of the epilogue is the cross-warp reduction, the residual and the stores.
-SHARED_WALK = ("          walk(t, s, pc, pbase, u0, nb, nk, r);\n          a.mark(1);\n"
+SHARED_WALK = ("          walk(t, s, pc, u0, nb, nk, r);\n          a.mark(1);\n"
                "          finish_shared(")
 PATCHES["lin_m_allwalked"] = {"linear/sm90.cuh": [(SHARED_WALK, (
-    "          walk(t, s, pc, pbase, u0, nb, nk, r);\n"
+    "          walk(t, s, pc, u0, nb, nk, r);\n"
     '          asm volatile("" ::"f"(r[0]), "f"(r[1]), "f"(r[2]), "f"(r[3]));\n'
     "          mpk::task_sync();\n          a.mark(1);\n          finish_shared("))]}
 # The rest of it (timing; same results): COMPUTE := every thread out of finish_shared (the
 # cross-warp sums reduced and the outputs stored), or out of the task's pc.finish(); the profile's
 # epilogue is then what follows (the page releases and the runtime's barrier; or the barrier).
-FINISH_SHARED = "          finish_shared(t, s, rg0, u0, nb, r, buf, resid, ch);\n"
+FINISH_SHARED = "          finish_shared(t, s, rg0, u0, nb, r, buf, resid, ch, inv);\n"
 PATCHES["lin_e_done"] = {"linear/sm90.cuh": [(FINISH_SHARED, (
     FINISH_SHARED + "          mpk::task_sync();\n          a.mark(1);\n"))]}
 PATCHES["lin_e_finished"] = {"linear/sm90.cuh": [(FINISH, (
@@ -228,8 +227,8 @@ PATCHES["moe_noload"] = {
 # walk() (every block, page waits included; 32-bit clock), 48-63 the pages walked. Timing only;
 # the phase parts of linear ops lose their WAIT split.
 WALK = ("__device__ __forceinline__ void walk(const Task& t, const Scratch& s, mpk::PageCursor& pc,\n"
-        "                                     int pbase, int u0, int nb, int nk, float (&r)[4]) {\n")
-WALK_END = "    mma_block<false>(t, s, pc, pbase, u0, nb, nk, r);\n}\n"
+        "                                     int u0, int nb, int nk, float (&r)[4]) {\n")
+WALK_END = "    mma_block<false>(t, s, pc, u0, nb, nk, r);\n}\n"
 WALK_STEP = "  const int u = pos.u + pos.n * kWarps;\n"  # walk_step: once a page
 PATCHES["walk_cycles"] = {
     "task_args.cuh": [("  long long limit_ns;",
@@ -258,9 +257,9 @@ PATCHES["walk_clock"] = {
          + "\n  if (t.argmax)")]}
 # WAIT := when warp 0 enters each block's walk (the last block's stays): splits the profile's
 # compute part (INPUT -> COMPUTE) at the walk's start. Timing only.
-OWN_WALK = ("          prefetch_own(t, rg, resid);\n          walk(t, s, pc, pbase, u0, nb, nk, r);\n")
+OWN_WALK = ("          prefetch_own(t, rg, resid);\n          walk(t, s, pc, u0, nb, nk, r);\n")
 SHARED_WALK = ("          prefetch_shared(t, rg0, nb, resid);\n"
-               "          walk(t, s, pc, pbase, u0, nb, nk, r);\n")
+               "          walk(t, s, pc, u0, nb, nk, r);\n")
 PATCHES["walk_start"] = {"linear/sm90.cuh": [
     (OWN_WALK, OWN_WALK.replace("          walk(", "          " + stamp() + "\n          walk(")),
     (SHARED_WALK, SHARED_WALK.replace("          walk(", "          " + stamp() + "\n          walk("))]}
@@ -274,10 +273,10 @@ EPI_SHARED = "__shared__ unsigned long long mpk_probe_epi;\n__shared__ unsigned 
 EPI_MARK = ("if (threadIdx.x == 0) {{ const unsigned c = (unsigned)clock(); "
             "mpk_probe_epi |= (unsigned long long)min(c - mpk_probe_c, 65535u) << {shift}; "
             "mpk_probe_c = c; }}")
-FS_SYNC = ("  const int rgl = row >> rg_shift, r = row & ((1 << rg_shift) - 1), rg = rg0 + rgl;\n"
+FS_SYNC = ("  const float inv_b = t.rms ? __shfl_sync(0xffffffffu, inv, b) : 1.f;  // every lane, b < 16\n"
            "  mpk::task_sync();\n")
 FS_SUMS = "    if (t.silu) up[e] = reduce_part(s, buf, u0, nb, rgl, r + 4 + e, b);\n  }\n"
-FS_CALL = "          finish_shared(t, s, rg0, u0, nb, r, buf, resid, ch);\n"
+FS_CALL = "          finish_shared(t, s, rg0, u0, nb, r, buf, resid, ch, inv);\n"
 LINEAR_TASK = "  const Task t = task_at_run(a);\n"  # run()'s first line: a task without a shared
                                                    # block leaves its stamp's first 48 bits 0
 PATCHES["epi_cycles"] = {
@@ -343,20 +342,20 @@ PATCHES["no_loader_moe_pf"] = {**PATCHES["no_loader"], **PATCHES["moe_pf"]}
 # Where a linear's input goes (timing; same results): INPUT := thread 0 before the chunk loop
 # (the task's set-up), after issuing its copies of chunk 0's x, once every thread's copies
 # landed (plus a barrier), or (rmsnorm) once the sums of squares are complete.
-MARK0 = ("    stage_chunk(t, s, nw, ch);\n"
-         "    if (ch == 0) a.mark(0);  // profiling: the input is in"
-         " (stage_chunk ends with a barrier)\n")
-MARK0_PA = "    stage_chunk(t, s, nw, ch, ch == 0 ? a.marks : nullptr);\n"
+INV = "    if (ch == t.nch - 1) inv = lane_inv(t, s);\n"
+MARK0 = ("    stage_chunk(t, s, ch);\n" + INV
+         + "    if (ch == 0) a.mark(0);  // profiling: the input is in\n")
+MARK0_PA = "    stage_chunk(t, s, ch, ch == 0 ? a.marks : nullptr);\n" + INV
 RAW_SIG = "int kfill) {\n"
-CHUNK_SIG = "const bf16* nw,\n                                            int ch) {\n"
+CHUNK_SIG = "const Scratch& s, int ch) {\n"
 RAW_CALL = "  stage_raw(t, s, k0, kc, kfill);\n"
 PM_ARG = "unsigned long long* pm = nullptr) {"
 PA_EDITS = [(MARK0, MARK0_PA), (RAW_SIG, RAW_SIG.replace(") {", ", " + PM_ARG)),
             (CHUNK_SIG, CHUNK_SIG.replace("int ch) {", "int ch, " + PM_ARG)),
             (RAW_CALL, RAW_CALL.replace(");", ", pm);"))]
 PM_MARK = "    if (pm && threadIdx.x == 0) pm[0] = mpk::ptx::globaltimer();\n"
-CHUNK_LOOP = "  int u0 = 0, buf = 0;\n  for (int ch = 0; ch < t.nch; ++ch) {\n"
-PATCHES["lin_i_entry"] = {"linear/sm90.cuh": [(MARK0, "    stage_chunk(t, s, nw, ch);\n"),
+CHUNK_LOOP = "  int u0 = 0, buf = 0;\n  float inv = 1.f;\n  for (int ch = 0; ch < t.nch; ++ch) {\n"
+PATCHES["lin_i_entry"] = {"linear/sm90.cuh": [(MARK0, "    stage_chunk(t, s, ch);\n" + INV),
                                                (CHUNK_LOOP, "  a.mark(0);\n" + CHUNK_LOOP)]}
 COMMIT = "    dev::cp_async_commit();\n"
 PATCHES["lin_i_issued"] = {"linear/sm90.cuh": [*PA_EDITS, (COMMIT, COMMIT + PM_MARK)]}
@@ -367,17 +366,15 @@ PATCHES["lin_i_landed"] = {"linear/sm90.cuh": [*PA_EDITS, (WAITED, WAITED.replac
     "  }\n", PM_SYNC_MARK + "  }\n"))]}
 POLLED = "    poll_stage(t, s, k0, vpr, vfill);\n"
 PATCHES["lin_i_polled"] = {"linear/sm90.cuh": [*PA_EDITS, (POLLED, POLLED + PM_SYNC_MARK)]}
-SUMMED = "    sum_squares(t, s, kc, false);\n    mpk::task_sync();  // red complete\n"
+SUMMED = "  sum_squares(t, s, kc, ch > 0);\n  if (ch == t.nch - 1) mpk::task_sync();\n"
 PATCHES["lin_i_summed"] = {"linear/sm90.cuh": [*PA_EDITS, (SUMMED, SUMMED + PM_MARK)]}
 # Where a linear's set-up goes (timing; same results): INPUT := thread 0 at run()'s entry (the
-# dispatch reached it), after task_of (the PageCursor copy), after the scratch's slots are set
-# (before the norm page), after the norm page's wait; lin_i_entry is the chunk loop's start.
+# dispatch reached it), after task_of (the PageCursor copy); lin_i_entry (after the scratch's
+# slots are set) is the chunk loop's start.
 SETUP_MARKS = {"lin_s_top": "  const Task t = task_at_run(a);\n",
-               "lin_s_taskof": "  mpk::PageCursor pc = a.pages;\n",
-               "lin_s_init": "  const bf16* nw = nullptr;\n",
-               "lin_s_page0": "  const int pbase = t.rms ? 1 : 0;\n"}
+               "lin_s_taskof": "  mpk::PageCursor pc = a.pages;\n"}
 for _name, _at in SETUP_MARKS.items():
-    PATCHES[_name] = {"linear/sm90.cuh": [(MARK0, "    stage_chunk(t, s, nw, ch);\n"),
+    PATCHES[_name] = {"linear/sm90.cuh": [(MARK0, "    stage_chunk(t, s, ch);\n" + INV),
                                           (_at, "  a.mark(0);\n" + _at)]}
 RUNS = {"none": "none", "quiet": "quiet", "no_xread": "no_xread", "attn_nokv": "attn_nokv", "attn_l2pf": "attn_l2pf", "attn_m_scores": "attn_m_scores", "attn_m_block": "attn_m_block", "attn_m_loop": "attn_m_loop", "lin_m_allwalked": "lin_m_allwalked", "lin_e_done": "lin_e_done", "lin_e_finished": "lin_e_finished", "attn_m_polled": "attn_m_polled", "no_loader_attn_nokv": "no_loader_attn_nokv", "loader_lead": "loader_lead",
         "sparse_timer": "sparse_timer",

@@ -61,7 +61,7 @@ def stamp(value: str = "mpk::ptx::globaltimer()") -> str:
 
 
 STAMP = stamp()
-STAGE = "    stage_chunk(t, s, nw, ch);\n"
+STAGE = "    stage_chunk(t, s, ch);\n"
 CHUNK_END = "    if (ch + 1 < t.nch) mpk::task_sync();\n"
 FINISH = "  pc.finish();\n  if (t.argmax)"
 # The walk's units at batch <= 8 (mma_units, narrow): A reads, MMAs; and a page's weight reads.
@@ -103,7 +103,7 @@ Patch = dict[str, list[tuple[str, str]]]  # file (relative to the include root) 
 PATCHES: dict[str, Patch] = {
     "none": {},
     "staged": {"linear/sm90.cuh": [(STAGE, STAGE + f"    if (ch == 0) {{ {STAMP} }}\n")]},
-    "page0": {"linear/sm90.cuh": [(STAGE, STAGE + f"    if (ch == 0) {{ pc.at(pbase); {STAMP} }}\n")]},
+    "page0": {"linear/sm90.cuh": [(STAGE, STAGE + f"    if (ch == 0) {{ pc.at(0); {STAMP} }}\n")]},
     "mma": {"linear/sm90.cuh": [(CHUNK_END, f"    {STAMP}\n" + CHUNK_END)]},
     "done": {"linear/sm90.cuh": [(FINISH, f"  pc.finish();\n  {STAMP}\n  if (t.argmax)")]},
     # WAIT := warp 0's total time in PageCursor::at waiting for pages to land, in this task.

@@ -39,7 +39,6 @@ from mpk.dtypes import DType
 from mpk.graph.graph import DEFAULT_NUM_SMS, Graph
 from mpk.tasks import base
 from mpk.tasks.linear import geometry
-from mpk.tasks.linear import task as linear_task
 from mpk.tensors import Role
 
 K = 4096
@@ -73,7 +72,7 @@ CONFIGS = (
 @contextmanager
 def page_config(page_bytes: int, max_pages: int) -> Iterator[None]:
     """PAGE_BYTES and MAX_PAGES as the probe wants them, in every module holding a copy."""
-    holders = [(base, "PAGE_BYTES"), (linear_task, "PAGE_BYTES"), (geometry, "PAGE_BYTES"),
+    holders = [(base, "PAGE_BYTES"), (geometry, "PAGE_BYTES"),
                (codegen, "PAGE_BYTES"), (lower, "PAGE_BYTES")]
     saved = [(m, n, getattr(m, n)) for m, n in holders]
     saved += [(geometry, "PAGE_UNITS", geometry.PAGE_UNITS), (codegen, "MAX_PAGES",

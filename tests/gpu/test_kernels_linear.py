@@ -87,9 +87,11 @@ def test_linear_chunked_k(batch):
     linear_case(64, 14336, 4, batch, residual=True, seed=batch)
 
 
-def test_linear_chunked_k_rmsnorm():
-    """Chunks with an rmsnorm prologue: the inverse rms over whole rows first."""
-    linear_case(72, 8192, 5, 16, "rmsnorm", residual=True, seed=11)
+@pytest.mark.parametrize("k,batch", [(8192, 16), (12288, 3)])
+def test_linear_chunked_k_rmsnorm(k, batch):
+    """Chunks with an rmsnorm prologue: the rows' sums of squares add up chunk by chunk and
+    scale the outputs after the last; K past the 8,192 a norm-weight page once held."""
+    linear_case(72, k, 5, batch, "rmsnorm", residual=True, seed=11)
 
 
 @pytest.mark.parametrize("n,k,tasks,batch", [(3072, 1024, 132, 1), (1536, 576, 132, 4),

@@ -14,7 +14,7 @@ from mpk.models.builder import DecodeShape
 from mpk.models.config import get_preset
 from mpk.models.reference import ReferenceModel
 from mpk.models.weights import random_weights
-from mpk.testing import greedy_mismatches
+from mpk.testing import BF16_LOGITS_TOL, greedy_mismatches
 from tests.interp.model_run import executor, make_plan, run_prompts
 
 SEED = 20261201  # fixed: CI is deterministic (vary it by hand to sweep)
@@ -53,9 +53,15 @@ def test_logits_match_reference(preset: str, head_dim: int | None) -> None:
     ex.write("prompt", torch.tensor(prompt, dtype=torch.int32)[:, None])
     ex.run(1)
     logits = ex.read("logits")[0]
-    ref = ReferenceModel(cfg, weights, max_seq=32).forward(torch.tensor([prompt[:1]]), 0)[0, -1]
-    err = (logits - ref).norm() / ref.norm()
-    assert err < 1e-2, f"relative error {err:.3g} (seed {seed})"
+    exact, bf16 = (ReferenceModel(cfg, weights, max_seq=32, activation_dtype=dtype)
+                   .forward(torch.tensor([prompt[:1]]), 0)[0, -1]
+                   for dtype in (torch.float32, torch.bfloat16))
+    # Both MPK and the bf16 reference round to bf16, not always at the same points (a linear's
+    # rmsnorm prologue folds the norm weight into its weight: tasks/linear/task.py), so each is
+    # held to the exact fp32 math, and MPK must not be much farther from it than the reference.
+    err, ref_err = (float((x - exact).norm() / exact.norm()) for x in (logits, bf16))
+    assert err < BF16_LOGITS_TOL, f"relative error {err:.3g} vs fp32 (seed {seed})"
+    assert err <= 2 * ref_err + 5e-3, f"relative error {err:.3g}, reference {ref_err:.3g}"
 
 
 def test_long_context_plan_splits_attention(monkeypatch: pytest.MonkeyPatch) -> None:

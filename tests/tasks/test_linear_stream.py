@@ -20,6 +20,7 @@ import torch
 from mpk.tasks.base import PAGE_BYTES
 from mpk.tasks.linear import geometry as geo
 from mpk.tasks.linear import task as linear_task
+from mpk.tasks.numerics import fold_norm
 from mpk.testing import cuda_constants
 
 WARPS = 8
@@ -41,9 +42,9 @@ def _pages(stream: np.ndarray, shape: geo.LinearShape, task: int, offset: int) -
     return pages
 
 
-def _unit_rows(pages: list[np.ndarray], pbase: int, u: int) -> np.ndarray:
+def _unit_rows(pages: list[np.ndarray], u: int) -> np.ndarray:
     """The [8, 32] bf16-as-float values of task unit u, read lane by lane like the kernel."""
-    page = pages[pbase + u // geo.PAGE_UNITS]
+    page = pages[u // geo.PAGE_UNITS]
     start = (u % geo.PAGE_UNITS) * geo.UNIT_BYTES
     unit = np.zeros((8, 32), dtype=np.float32)
     for lane in range(32):
@@ -65,9 +66,6 @@ def replay(shape: geo.LinearShape, stream: torch.Tensor, x: np.ndarray) -> np.nd
     for task in range(shape.tasks):
         pages = _pages(data, shape, task, offset)
         offset += geo.task_stream_bytes(shape, task)
-        pbase = 1 if shape.rms else 0
-        if shape.rms:  # page 0 holds the norm weight (checked against the source by the caller)
-            assert len(pages[0]) == geo.norm_bytes(shape)
         lo, _ = geo.task_outputs(shape, task)
         row0 = 2 * lo if shape.silu else lo
         rgs = geo.task_row_groups(shape, task)
@@ -84,7 +82,7 @@ def replay(shape: geo.LinearShape, stream: torch.Tensor, x: np.ndarray) -> np.nd
                     for u in range(first, u0 + nb * nk, WARPS):
                         kg = (u - u0) // nb
                         assert (u - u0) % nb == rgl  # one row group per warp per block
-                        unit = _unit_rows(pages, pbase, u)
+                        unit = _unit_rows(pages, u)
                         rg = start + rgl
                         sums[:, rg * 8: rg * 8 + 8] += xc[:, kg * 32: kg * 32 + 32] @ unit.T
                 u0 += nb * nk
@@ -97,24 +95,19 @@ def _case(n: int, k: int, tasks: int, silu: bool, rms: bool, xc: int | None, see
     wshape = (2, n, k) if silu else (n, k)
     weight = torch.randn(wshape, generator=g).to(torch.bfloat16)
     norm = torch.randn(k, generator=g).to(torch.bfloat16) if rms else None
-    shape = geo.LinearShape(n=n, k=k, tasks=tasks, silu=silu, rms=rms,
-                            xc=xc if xc else -(-k // 32) * 32)
+    shape = geo.LinearShape(n=n, k=k, tasks=tasks, silu=silu, xc=xc if xc else -(-k // 32) * 32)
     stream = geo.build_stream(shape, weight, norm)
     total = sum(geo.task_stream_bytes(shape, t) for t in range(tasks))
     assert stream.numel() * 2 == total
     x = torch.randn(3, k, generator=g).to(torch.bfloat16).float().numpy().astype(np.float64)
     got = replay(shape, stream, x)
-    ws = geo.stream_rows(weight, silu)[: got.shape[1]].float().numpy().astype(np.float64)
+    # With a norm weight the stream holds bf16(W * g) (numerics.fold_norm), exactly.
+    folded = weight if norm is None else fold_norm(weight, norm).to(torch.bfloat16)
+    if norm is not None:
+        assert not torch.equal(folded, weight)
+    ws = geo.stream_rows(folded, silu)[: got.shape[1]].float().numpy().astype(np.float64)
     expected = x @ ws.T
     np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-9)
-    if rms:  # every task's first page is the norm weight
-        data = stream.view(torch.uint8).numpy()
-        nbytes = geo.norm_bytes(shape)
-        offset = 0
-        for t in range(tasks):
-            page = data[offset: offset + nbytes].view(np.uint16)[:k]
-            assert np.array_equal(page, norm.view(torch.int16).numpy().view(np.uint16))
-            offset += geo.task_stream_bytes(shape, t)
 
 
 @pytest.mark.parametrize("n,k,tasks", [
@@ -143,11 +136,10 @@ def test_blocks_are_greedy_powers_of_two() -> None:
 
 
 def test_page_runs_cover_the_units() -> None:
-    shape = geo.LinearShape(n=1000, k=576, tasks=7, silu=False, rms=True, xc=576)
+    shape = geo.LinearShape(n=1000, k=576, tasks=7, silu=False, xc=576)
     for t in range(7):
         runs = geo.task_runs(shape, t)
-        assert runs[0] == (1, 1152)
-        units = sum(c * b for c, b in runs[1:]) // geo.UNIT_BYTES
+        units = sum(c * b for c, b in runs) // geo.UNIT_BYTES
         assert units == geo.num_units(shape, t) == len(geo.unit_order(shape, t))
 
 

@@ -26,7 +26,7 @@ def fuse(graph: Graph) -> Graph:
         if graph.tensors[out].role is not Role.ACTIVATION:
             continue
         users = [j for j, o in enumerate(ops) if j != i and out in dict(o.operands).values()]
-        if not users or not all(_fusable_user(ops[j], out, graph) for j in users):
+        if not users or not all(_fusable_user(ops[j], out) for j in users):
             continue
         src = op.tensor_of("x")
         if any(src in _written(ops[k]) for k in range(i + 1, max(users) + 1)):
@@ -47,14 +47,10 @@ def fuse(graph: Graph) -> Graph:
     return fused
 
 
-def _fusable_user(op: Op, tensor: str, graph: Graph) -> bool:
-    from mpk.tasks.linear.task import MAX_NORM_K
-
+def _fusable_user(op: Op, tensor: str) -> bool:
     operands = dict(op.operands)
     uses = [k for k, v in operands.items() if v == tensor]
-    k = graph.tensors[operands["weight"]].shape[-1] if op.kind == "linear" else 0
-    return (op.kind == "linear" and uses == ["x"] and dict(op.attrs)["prologue"] == "none"
-            and k <= MAX_NORM_K)
+    return op.kind == "linear" and uses == ["x"] and dict(op.attrs)["prologue"] == "none"
 
 
 def _written(op: Op) -> set[str]:

@@ -21,6 +21,19 @@ def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return bf16(weight.float() * bf16(xf * inv))
 
 
+def rms_inv(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each row's inverse rms over the last dim, in fp32 ([..., 1])."""
+    xf = x.float()
+    return torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+def fold_norm(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """A linear's weight [..., K] with an RMSNorm's weight [K] folded into its columns, rounded
+    to bf16 (fp32 holding bf16 values): rmsnorm(x) @ W^T = inv_rms(x) * (x @ fold^T) up to that
+    rounding, which stands where rmsnorm_rows rounds the normalised input."""
+    return bf16(weight.float() * norm_weight.float())
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """bf16(bf16(silu(gate)) * up), as a bf16 model computes act(gate) * up."""
     return bf16(bf16(torch.nn.functional.silu(gate.float())) * up.float())

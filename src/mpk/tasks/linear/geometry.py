@@ -20,8 +20,9 @@ Vocabulary
   group). Units of a block are kg-major: (kg 0: rg 0..n-1), (kg 1: ...), so consumer warp w,
   which takes the units u = w, w+8, ... of the task, always meets the same row group of a block:
   rgl = (w - block_start) mod n (n divides 8), and its k groups are kg = (u - start) div n.
-- page: 32 consecutive units (16 KB), the last one shorter. A task whose input is RMS-normalised
-  gets one extra page in front: the norm weight (K bf16, padded to 16 bytes).
+- page: 32 consecutive units (16 KB), the last one shorter.
+- rmsnorm prologue: the stream holds the weight with the norm weight folded into its columns,
+  bf16(W * g) (numerics.fold_norm); the kernel scales each row's sums by its inverse rms.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from mpk.tasks.base import PAGE_BYTES, TASK_WARPS, split_bounds
+from mpk.tasks.numerics import fold_norm
 
 ROWS = 8  # rows per row group
 UNIT_K = 32  # k per unit
@@ -56,7 +58,6 @@ class LinearShape:
     k: int
     tasks: int  # grid axis 0
     silu: bool  # gate/up interleaved, outputs = n act columns
-    rms: bool  # a norm-weight page precedes the units
     xc: int  # k per chunk (a multiple of UNIT_K)
 
     @property
@@ -104,13 +105,9 @@ def num_units(shape: LinearShape, task: int) -> int:
     return nks * task_row_groups(shape, task)
 
 
-def norm_bytes(shape: LinearShape) -> int:
-    return -(-shape.k * 2 // 16) * 16 if shape.rms else 0
-
-
 def task_runs(shape: LinearShape, task: int) -> list[tuple[int, int]]:
     """The task's stream as (page count, page bytes) runs, in order."""
-    runs = [(1, norm_bytes(shape))] if shape.rms else []
+    runs = []
     units = num_units(shape, task)
     if units >= PAGE_UNITS:
         runs.append((units // PAGE_UNITS, PAGE_BYTES))
@@ -137,10 +134,12 @@ def stream_rows(weight: torch.Tensor, silu: bool) -> torch.Tensor:
 
 
 def build_stream(shape: LinearShape, weight: torch.Tensor,
-                 norm_weight: torch.Tensor | None) -> torch.Tensor:
+                 norm_weight: torch.Tensor | None = None) -> torch.Tensor:
     """The whole op's stream (every task's, in task order) as bf16, on weight's device: one
-    gather of [8, 32] units from the zero-padded stream matrix, norm pages spliced in front of
-    each task's units."""
+    gather of [8, 32] units from the zero-padded stream matrix (of the weight with norm_weight,
+    if given, folded into its columns)."""
+    if norm_weight is not None:
+        weight = fold_norm(weight, norm_weight).to(weight.dtype)
     ws = stream_rows(weight, shape.silu)
     k_pad = -(-shape.k // UNIT_K) * UNIT_K
     r_pad = -(-ws.shape[0] // ROWS) * ROWS + ROWS  # a zero row group for rows past the end
@@ -148,38 +147,26 @@ def build_stream(shape: LinearShape, weight: torch.Tensor,
     padded[: ws.shape[0], : shape.k] = ws
     units = padded.reshape(r_pad // ROWS, ROWS, k_pad // UNIT_K, UNIT_K).permute(0, 2, 1, 3)
     units = units[..., torch.as_tensor(_UNIT_K_ORDER, device=weight.device)]
-    rg_index, kg_index, counts = _unit_index(shape, r_pad // ROWS - 1)
+    rg_index, kg_index = _unit_index(shape, r_pad // ROWS - 1)
     device = weight.device
     gathered = units[torch.as_tensor(rg_index, device=device),
                      torch.as_tensor(kg_index, device=device)]  # [units, 8, 32]
-    if not shape.rms:
-        return gathered.reshape(-1)
-    assert norm_weight is not None
-    nb = norm_bytes(shape) // 2
-    norm = torch.cat([norm_weight.reshape(-1), norm_weight.new_zeros(nb - shape.k)])
-    pieces = []
-    for part in torch.split(gathered.reshape(len(rg_index), -1), counts):
-        pieces += [norm, part.reshape(-1)]
-    return torch.cat(pieces)
+    return gathered.reshape(-1)
 
 
-def _unit_index(shape: LinearShape, zero_rg: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+def _unit_index(shape: LinearShape, zero_rg: int) -> tuple[np.ndarray, np.ndarray]:
     """For every unit of the op in stream order: its row group and 32-k group in the padded
-    stream matrix (zero_rg: an all-zero row group for rows past the weight), and the units per
-    task."""
-    rgs, kgs, counts = [], [], []
+    stream matrix (zero_rg: an all-zero row group for rows past the weight)."""
+    rgs, kgs = [], []
     total_rgs = -(-(2 * shape.n if shape.silu else shape.n) // ROWS)
     for task in range(shape.tasks):
         lo, _ = task_outputs(shape, task)
         rg0 = (2 * lo if shape.silu else lo) // ROWS
-        n = 0
         for c, (k0, k1) in enumerate(chunks(shape)):
             nk = -(-(k1 - k0) // UNIT_K)
             for start, size in blocks(task_row_groups(shape, task)):  # kg-major, then rg
                 rgs.append(np.tile(np.arange(rg0 + start, rg0 + start + size), nk))
                 kgs.append(np.repeat(np.arange(nk) + c * (shape.xc // UNIT_K), size))
-                n += size * nk
-        counts.append(n)
     rg = np.concatenate(rgs) if rgs else np.zeros(0, dtype=np.int64)
     kg = np.concatenate(kgs) if kgs else np.zeros(0, dtype=np.int64)
-    return np.where(rg < total_rgs, rg, zero_rg), kg, counts
+    return np.where(rg < total_rgs, rg, zero_rg), kg

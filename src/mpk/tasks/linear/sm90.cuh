@@ -3,8 +3,8 @@
 // walk over a block's pages is in linear/sm90_walk.cuh (this file includes it).
 //
 // The page contents and their order are defined in tasks/linear/geometry.py (read it first):
-// [norm weight page if rmsnorm] then units of 8 stream rows x 32 k (512 B, row-major), ordered
-// chunk -> block (8/4/2/1 row groups) -> k group -> row group, 32 units per page.
+// units of 8 stream rows x 32 k (512 B, row-major), ordered chunk -> block (8/4/2/1 row groups)
+// -> k group -> row group, 32 units per page.
 //
 // Work split: consumer warp w takes the task's units w, w+8, w+16, ... Inside a block of n row
 // groups (n divides 8) those are always row group (w - block_start) mod n of the block, at
@@ -37,10 +37,14 @@
 // per 8 k: a warp's copies are contiguous in global AND shared memory, at the same relative
 // offsets, so they coalesce; a strided shared destination, or lanes alternating between two
 // rows, made every lane's copy its own wavefront and sector: perf-log, tenth and eleventh
-// sessions), and stay so (rmsnorm: normalised in place as the reference rounds them, bf16
-// values of numerics.rmsnorm_rows). The row stride (64 mod 128 bytes) spreads a quarter-warp's
-// 16-byte reads over all banks. Several chunks (large K x batch) add each chunk's sums into fp32
-// `acc`.
+// sessions), and stay so. The row stride (64 mod 128 bytes) spreads a quarter-warp's 16-byte
+// reads over all banks. Several chunks (large K x batch) add each chunk's sums into fp32 `acc`.
+// rmsnorm prologue: the stream's weights carry the norm weight folded into their columns
+// (bf16(W * g): geometry.build_stream, numerics.fold_norm), so the walk reads the raw rows and
+// the epilogue scales each row's fp32 sums by its inverse rms (the rows' sums of squares, taken
+// as the chunks land). That replaced an in-place normalising pass over the staged rows and its
+// barrier (0.4 us a phase at batch 1, 1.0 at 16: perf-log, forty-first session) and the page
+// that carried the norm weight.
 // Flagged x / residual / out (compiler/flags.py, common/flags.cuh): x is polled into place
 // instead of copied, the residual's word checked for its epoch after the walk, outputs written as
 // one word per pair of columns (every epilogue writes pairs).
@@ -102,8 +106,7 @@ struct Task {
 
 // Shared scratch: a 1 KB head at fixed offsets [red: 16 x kWarps f32][best: 16 u64]
 // [sampling: 16 x (seed u64, position i64, temperature f32)], then [xs: B (wide: 16) rows of XS
-// bf16][part: 2 x kWarps x kPartWarp f32][nw: K bf16 when chunked with rmsnorm]
-// [acc: rgs x 8 x B f32]. Plans with a wide linear pass the prologue's Task to run() in red's
+// bf16][part: 2 x kWarps x kPartWarp f32][acc: rgs x 8 x B f32]. Plans with a wide linear pass the prologue's Task to run() in red's
 // bytes (kPre): run() copies it to registers before its first barrier, red is first written
 // after it.
 constexpr int kHeadBytes = 1024;
@@ -117,7 +120,6 @@ struct Scratch {
   unsigned long long* seed;
   long long* spos;
   float* temp;
-  bf16* nw;
   float* acc;
   int XS;  // staged row stride (bf16 elements)
 };
@@ -147,8 +149,6 @@ __device__ __forceinline__ Scratch carve(const Task& t, char* smem) {
   p += ((staged_rows(t) * s.XS * 2 + 15) / 16) * 16;
   s.part = reinterpret_cast<float*>(p);
   p += 2 * kWarps * kPartWarp * 4;
-  s.nw = reinterpret_cast<bf16*>(p);
-  if (t.rms && t.nch > 1) p += ((t.K * 2 + 15) / 16) * 16;
   s.acc = reinterpret_cast<float*>(p);
   return s;
 }
@@ -353,37 +353,12 @@ __device__ __forceinline__ float row_inv(const Task& t, const Scratch& s, int b)
   return dev::rms_inv(total, t.K, t.eps);
 }
 
-// One landed vector of row b, rmsnormed (norm weight vector w), in natural order.
-__device__ __forceinline__ uint4 norm_vec(const uint4& x, const uint4& w, float inv) {
-  return make_uint4(dev::rmsnorm_pair(x.x, w.x, inv), dev::rmsnorm_pair(x.y, w.y, inv),
-                    dev::rmsnorm_pair(x.z, w.z, inv), dev::rmsnorm_pair(x.w, w.w, inv));
-}
-
-// rmsnorm the landed chunk (norm weight nw[k0 ..], the rows' sums of squares complete in red)
-// in place; ends with a barrier. Lane b of every warp derives row b's inverse rms and the warp
-// shares it by shuffles (no extra barrier for one thread to publish it; the division stays out of
-// the loop). Wide: a thread takes vector v of rows r and r + 8 (those past B stay zero).
-__device__ __forceinline__ void normalize(const Task& t, const Scratch& s, const bf16* nw, int k0,
-                                          int kc) {
-  const int vpr = kc / 8, lane = threadIdx.x & 31;
-  const int rows = pass_rows(t), total = rows * vpr;
-  const float inv = lane < t.B ? row_inv(t, s, lane) : 0.f;
-  // Whole warps per round, so every lane takes part in the shuffles.
-  for (int base = threadIdx.x - lane; base < total; base += NUM_THREADS) {
-    const int idx = base + lane;
-    const int r = min(idx / vpr, rows - 1), v = idx - r * vpr;
-    const float inv_lo = __shfl_sync(0xffffffffu, inv, r);
-    const float inv_hi = t.wide ? __shfl_sync(0xffffffffu, inv, r + kRows) : 0.f;
-    if (idx >= total) continue;
-    const uint4 w = *reinterpret_cast<const uint4*>(nw + k0 + v * 8);
-    uint4* at = reinterpret_cast<uint4*>(landing(s, r, v));
-    *at = norm_vec(*at, w, inv_lo);
-    if (t.wide && r + kRows < t.B) {
-      uint4* ah = reinterpret_cast<uint4*>(landing(s, r + kRows, v));
-      *ah = norm_vec(*ah, w, inv_hi);
-    }
-  }
-  mpk::task_sync();
+// This lane's row's inverse rms (lane b < B: row b; 1 elsewhere, and for plans without the
+// prologue), for the epilogue to take by shuffles. Read after the barrier that ends the last
+// chunk's sums of squares.
+__device__ __forceinline__ float lane_inv(const Task& t, const Scratch& s) {
+  const int lane = threadIdx.x & 31;
+  return t.rms && lane < t.B ? row_inv(t, s, lane) : 1.f;
 }
 
 }  // namespace detail
@@ -431,10 +406,11 @@ __device__ __forceinline__ void merge_best(const Task& t, const Scratch& s,
 }
 
 // A block of 8 row groups: this warp owns row group `rg` (task-local); write or accumulate.
-// A lane's outputs j are (batch g + 8h, stream row 2t + e) for j = 2h + e: two pairs.
+// A lane's outputs j are (batch g + 8h, stream row 2t + e) for j = 2h + e: two pairs. inv:
+// lane_inv (rows' inverse rms on lanes 0-15).
 __device__ __forceinline__ void finish_own(const Task& t, const Scratch& s, int rg,
                                            const float (&r)[4], const unsigned (&resid)[4],
-                                           int ch) {
+                                           int ch, float inv) {
   const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   float v[4] = {r[0], r[1], r[2], r[3]};
   if (t.nch > 1) {  // this warp alone owns these accumulator rows
@@ -447,6 +423,11 @@ __device__ __forceinline__ void finish_own(const Task& t, const Scratch& s, int 
       if (!last && b < t.B) *slot = v[j];
     }
     if (!last) return;  // uniform
+  }
+  if (t.rms) {  // uniform: the sums of rows g and g + 8 times their inverse rms
+    const float lo = __shfl_sync(0xffffffffu, inv, g), hi = __shfl_sync(0xffffffffu, inv, g + 8);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] *= j < 2 ? lo : hi;
   }
   if (t.silu) {  // stream rows r < 4 are gate, r + 4 up (lane t + 2): lanes t < 2 write pairs
     float up[4];
@@ -522,9 +503,10 @@ __device__ __forceinline__ float reduce_part(const Scratch& s, int buf, int u0, 
 }
 
 // A block of nb < 8 row groups: the warps' partial sums meet in part[buf], the CTA finishes them.
+// inv: lane_inv (rows' inverse rms on lanes 0-15).
 __device__ __forceinline__ void finish_shared(const Task& t, const Scratch& s, int rg0, int u0,
                                               int nb, const float (&part)[4], int buf,
-                                              const unsigned (&resid)[2], int ch) {
+                                              const unsigned (&resid)[2], int ch, float inv) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
   float* mine = s.part + (buf * kWarps + warp) * kPartWarp;
 #pragma unroll
@@ -535,6 +517,7 @@ __device__ __forceinline__ void finish_shared(const Task& t, const Scratch& s, i
   shared_pair(t, tid, row, b);
   const int rg_shift = t.silu ? 2 : 3;  // a row group's rows: 4 (silu: gate rows) or kRows
   const int rgl = row >> rg_shift, r = row & ((1 << rg_shift) - 1), rg = rg0 + rgl;
+  const float inv_b = t.rms ? __shfl_sync(0xffffffffu, inv, b) : 1.f;  // every lane, b < 16
   mpk::task_sync();
   if (tid >= shared_pairs(t, nb)) return;
   float v[2], up[2] = {0.f, 0.f};
@@ -558,6 +541,13 @@ __device__ __forceinline__ void finish_shared(const Task& t, const Scratch& s, i
       }
     }
     if (ch < t.nch - 1) return;
+  }
+  if (t.rms) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      v[e] *= inv_b;
+      up[e] *= inv_b;
+    }
   }
   if (t.silu) {
     const int n = t.n0 + rg * 4 + r;
@@ -612,26 +602,16 @@ __device__ __forceinline__ Task task_of(const mpk::TaskArgs& a) {
   return t;
 }
 
-// The input of chunk ch staged (and normalised) in xs.
-__device__ __forceinline__ void stage_chunk(const Task& t, const Scratch& s, const bf16* nw,
-                                            int ch) {
+// The input of chunk ch staged in xs and, with the rmsnorm prologue, its rows' sums of squares
+// added up in red (whole after the last chunk, which ends with a barrier so lane_inv can read
+// them; the walk reads only xs, which stage_raw's barrier completed).
+__device__ __forceinline__ void stage_chunk(const Task& t, const Scratch& s, int ch) {
   const int k0 = ch * t.xc, kc = min(t.xc, t.K - k0);
   const int kfill = (kc + kUnitK - 1) / kUnitK * kUnitK;
-  if (t.rms && t.nch > 1 && ch == 0) {  // the inverse rms needs whole rows first
-    for (int c = 0; c < t.nch; ++c) {
-      const int c0 = c * t.xc, cl = min(t.xc, t.K - c0);
-      stage_raw(t, s, c0, cl, cl);
-      sum_squares(t, s, cl, c > 0);
-      mpk::task_sync();  // xs is restaged next (and red is complete after the last chunk)
-    }
-  }
   stage_raw(t, s, k0, kc, kfill);
   if (!t.rms) return;
-  if (t.nch == 1) {
-    sum_squares(t, s, kc, false);
-    mpk::task_sync();  // red complete
-  }
-  normalize(t, s, nw, k0, kc);
+  sum_squares(t, s, kc, ch > 0);
+  if (ch == t.nch - 1) mpk::task_sync();
 }
 
 __device__ __forceinline__ void write_argmax(const Task& t, const Scratch& s) {
@@ -690,31 +670,23 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   using namespace detail;
   const Task t = task_at_run(a);
   mpk::PageCursor pc = a.pages;
-  if (t.rgs <= 0) {  // uniform; the (norm) page is still visited
+  if (t.rgs <= 0) {  // uniform (no outputs: no pages either)
     pc.finish();
     return;
   }
   const Scratch s = carve(t, a.smem);
-  const int tid = threadIdx.x, warp = tid >> 5;
+  const int warp = threadIdx.x >> 5;
   // Narrower plans set the rows' slots here, after the page cursor and the carve, as before the
   // prologue existed. Set inside task_at_run instead (right after task_of), the prefill plan's
   // out-of-line lm_head read a sampling word at address 0x4 on the H100 (compute-sanitizer,
   // thirtieth session); the two orders are the same C++, the cause was not found.
   if constexpr (!kPre) init_rows(t, s);
-  const bf16* nw = nullptr;
-  if (t.rms) {  // page 0: the norm weight
-    nw = static_cast<const bf16*>(__cvta_shared_to_generic(pc.at(0)));
-    if (t.nch > 1) {  // kept past page 0's release
-      for (int v = tid; v < t.K / 8; v += NUM_THREADS)
-        reinterpret_cast<uint4*>(s.nw)[v] = reinterpret_cast<const uint4*>(nw)[v];
-      nw = s.nw;
-    }
-  }
-  const int pbase = t.rms ? 1 : 0;
   int u0 = 0, buf = 0;
+  float inv = 1.f;
   for (int ch = 0; ch < t.nch; ++ch) {
-    stage_chunk(t, s, nw, ch);
-    if (ch == 0) a.mark(0);  // profiling: the input is in (stage_chunk ends with a barrier)
+    stage_chunk(t, s, ch);
+    if (ch == t.nch - 1) inv = lane_inv(t, s);
+    if (ch == 0) a.mark(0);  // profiling: the input is in
     const int kc = min(t.xc, t.K - ch * t.xc);
     const int nk = (kc + kUnitK - 1) / kUnitK;
     int rg0 = 0;
@@ -727,15 +699,15 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
           const int rg = rg0 + ((warp - u0) & (kWarps - 1));
           unsigned resid[4];
           prefetch_own(t, rg, resid);
-          walk(t, s, pc, pbase, u0, nb, nk, r);
+          walk(t, s, pc, u0, nb, nk, r);
           a.mark(1);  // profiling: warp 0's walk of this block is done (the last block's stays)
-          finish_own(t, s, rg, r, resid, ch);
+          finish_own(t, s, rg, r, resid, ch, inv);
         } else {
           unsigned resid[2];
           prefetch_shared(t, rg0, nb, resid);
-          walk(t, s, pc, pbase, u0, nb, nk, r);
+          walk(t, s, pc, u0, nb, nk, r);
           a.mark(1);
-          finish_shared(t, s, rg0, u0, nb, r, buf, resid, ch);
+          finish_shared(t, s, rg0, u0, nb, r, buf, resid, ch, inv);
           buf ^= 1;
         }
       }

@@ -132,7 +132,7 @@ __device__ __forceinline__ bool walk_step(mpk::PageCursor& pc, PageFrags& cur, P
 // scripts/probe_phases.py.)
 template <bool kWide>
 __device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::PageCursor& pc,
-                                          int pbase, int u0, int nb, int nk, float (&r)[4]) {
+                                          int u0, int nb, int nk, float (&r)[4]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, tq = lane & 3;
   const int first = u0 + ((warp - u0) & (kWarps - 1));  // kWarps and nb: powers of two
@@ -154,7 +154,7 @@ __device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::
   if (first < end) {
     // The block's first page may be the one the previous block ended in; after it, a warp's
     // next unit is always on the next page.
-    const uint32_t pg = pc.at(pbase + (int)((unsigned)first / kPageUnits)) + lane * 16;
+    const uint32_t pg = pc.at((int)((unsigned)first / kPageUnits)) + lane * 16;
     WalkPos pos{first, 0u, units_on_page(first, end)};
     PageFrags cur, nxt;
     load_page(cur, pg, pos.u, pos.n);
@@ -171,11 +171,11 @@ __device__ __forceinline__ void mma_block(const Task& t, const Scratch& s, mpk::
 }
 
 __device__ __forceinline__ void walk(const Task& t, const Scratch& s, mpk::PageCursor& pc,
-                                     int pbase, int u0, int nb, int nk, float (&r)[4]) {
+                                     int u0, int nb, int nk, float (&r)[4]) {
   if (t.wide)
-    mma_block<true>(t, s, pc, pbase, u0, nb, nk, r);
+    mma_block<true>(t, s, pc, u0, nb, nk, r);
   else
-    mma_block<false>(t, s, pc, pbase, u0, nb, nk, r);
+    mma_block<false>(t, s, pc, u0, nb, nk, r);
 }
 
 }  // namespace detail

@@ -6,7 +6,10 @@ start at multiples of 8 (4 for silu_mul) and differ by at most that much (split_
 op can be spread over exactly one task per SM.
 Prologues (fused, so they cost no extra phase):
   none:     x [B, K]
-  rmsnorm:  x [B, K], norm_weight [K]: the input is rmsnorm(x) (see tasks/rmsnorm)
+  rmsnorm:  x [B, K], norm_weight [K]: the input is rmsnorm(x) (see tasks/rmsnorm), computed as
+            inv_rms(x) * (x @ fold^T) with fold = bf16(weight * norm_weight) (numerics.fold_norm:
+            its rounding stands where rmsnorm rounds the normalised input), so the kernel
+            streams the folded weight and scales each row's sums after the walk
 Epilogues:
   none:     the product is rounded to out's dtype, then `residual` (optional) is added
   silu_mul: bf16(bf16(silu(bf16(x@gate))) * bf16(x@up)), as the unfused gate_up + silu_mul ops
@@ -31,11 +34,11 @@ import math
 import torch
 
 from mpk.dtypes import DType
-from mpk.tasks.base import (PAGE_BYTES, Access, OpView, OperandSpec, Param, StreamLayout,
+from mpk.tasks.base import (Access, OpView, OperandSpec, Param, StreamLayout,
                             TaskCost, TaskKind, Tile, split_bounds)
 from mpk.tasks import runs, sampling
 from mpk.tasks.linear import geometry as geo
-from mpk.tasks.numerics import bf16, rmsnorm_rows, silu_mul
+from mpk.tasks.numerics import bf16, fold_norm, rms_inv, silu_mul
 from mpk.tasks.registry import register
 
 PROLOGUES = ("none", "rmsnorm")
@@ -52,7 +55,6 @@ PART_WARP = 144  # sm90.cuh kPartWarp: a warp's partial sums, 8 rows of 18 (bank
 PART_BYTES = 2 * geo.WARPS * PART_WARP * 4  # cross-warp partial sums, two buffers
 MAX_BATCH = 16
 POLL_VECS_MAX = 4  # sm90.cuh poll_stage: vectors a thread polls in flight, at most
-MAX_NORM_K = PAGE_BYTES // 2
 
 
 def staged_rows(batch: int) -> int:
@@ -183,9 +185,6 @@ class Linear(TaskKind):
         if op.has("norm_weight"):
             op.expect_shape("norm_weight", (k,))
             op.expect_dtype("norm_weight", DType.BF16)
-            if k > MAX_NORM_K:
-                raise op.error(f"an rmsnorm prologue takes K <= {MAX_NORM_K} (its weight comes "
-                               f"as one {PAGE_BYTES // 1024} KB page), got K={k}")
         if op.has("residual"):
             if epilogue != "none":
                 raise op.error(f"a residual is added only with epilogue 'none', not {epilogue!r}")
@@ -258,14 +257,13 @@ class Linear(TaskKind):
         wshape = op.shape("weight")
         return geo.LinearShape(n=wshape[-2], k=wshape[-1], tasks=op.grid[0],
                                silu=op.attrs["epilogue"] == "silu_mul",
-                               rms=op.attrs["prologue"] == "rmsnorm",
                                xc=op.attrs["xc"] or chunk_k(op.shape("x")[0], wshape[-1]))
 
     def param_values(self, op: OpView) -> dict[str, int | float]:
         s = self.shape_of(op)
         return {
             "batch": op.shape("x")[0], "k": s.k, "n": s.n, "tasks": s.tasks,
-            "silu": int(s.silu), "rms": int(s.rms), "xc": s.xc,
+            "silu": int(s.silu), "rms": int(op.attrs["prologue"] == "rmsnorm"), "xc": s.xc,
             "has_residual": int(op.has("residual")),
             "out_f32": int(op.tensors["out"].dtype is DType.F32),
             "argmax": int(op.attrs["epilogue"] == "argmax"), "eps": op.attrs["eps"],
@@ -276,7 +274,7 @@ class Linear(TaskKind):
         s = self.shape_of(op)
         sizes = [geo.task_stream_bytes(s, t) for t in range(s.tasks)]
         offsets = [sum(sizes[:t]) for t in range(s.tasks)]
-        sources = ("weight", "norm_weight") if s.rms else ("weight",)
+        sources = ("weight", "norm_weight") if op.has("norm_weight") else ("weight",)
         return StreamLayout(sources, tuple(offsets),
                             tuple(tuple(geo.task_runs(s, t)) for t in range(s.tasks)),
                             sum(sizes))
@@ -289,13 +287,18 @@ class Linear(TaskKind):
         batch = op.shape("x")[0]
         x_bytes = staged_bytes(batch, s.xc)
         extra = 0
-        if len(geo.chunks(s)) > 1:  # fp32 sums across chunks, and the norm weight kept
+        if len(geo.chunks(s)) > 1:  # fp32 sums across chunks
             rgs = max(geo.task_row_groups(s, t) for t in range(s.tasks))
-            extra = rgs * geo.ROWS * batch * 4 + (2 * s.k if s.rms else 0)
+            extra = rgs * geo.ROWS * batch * 4
         return x_bytes + PART_BYTES + extra + 1024  # + red, best, sampling (sm90.cuh carve)
 
     def reference(self, tile: Tile) -> None:
-        project(tile, linear_input(tile))
+        if tile.attr("prologue") == "rmsnorm":
+            x = tile["x"]
+            project(tile, x.float(), fold_norm(tile["weight"], tile["norm_weight"]),
+                    rms_inv(x, tile.attr("eps")))
+        else:
+            project(tile, tile["x"].float())
         out = tile["out"]
         if tile.attr("epilogue") == "argmax":
             first = split_bounds(tile.op.shape("out")[1], tile.op.grid[0],
@@ -328,12 +331,16 @@ def _ranked(tile: Tile, values: torch.Tensor, first: int) -> torch.Tensor:
     return ranked
 
 
-def project(tile: Tile, x: torch.Tensor) -> None:
-    """out = epilogue(x @ weight^T) for the none / silu_mul epilogues and the residual (argmax
-    ranks `out` afterwards), x the fp32 input rows after any prologue: the arithmetic linear and
-    gemm share."""
-    w = tile["weight"]
+def project(tile: Tile, x: torch.Tensor, weight: torch.Tensor | None = None,
+            row_scale: torch.Tensor | None = None) -> None:
+    """out = epilogue(row_scale * (x @ weight^T)) for the none / silu_mul epilogues and the
+    residual (argmax ranks `out` afterwards), x the fp32 input rows, weight the tile's unless
+    given (an rmsnorm prologue's folded weight), row_scale [B, 1] (its inverse rms) or none: the
+    arithmetic linear and gemm share."""
+    w = tile["weight"] if weight is None else weight
     y = x @ w.reshape(-1, w.shape[-1]).float().T
+    if row_scale is not None:
+        y = y * row_scale
     out = tile["out"]
     if tile.attr("epilogue") == "silu_mul":
         n = w.shape[1]
@@ -345,10 +352,3 @@ def project(tile: Tile, x: torch.Tensor) -> None:
         y = y + tile["residual"].float()
     out.copy_(y)
 
-
-def linear_input(tile: Tile) -> torch.Tensor:
-    """The fp32 (bf16-valued) input rows after the prologue."""
-    x = tile["x"]
-    if tile.attr("prologue") == "rmsnorm":
-        return rmsnorm_rows(x, tile["norm_weight"], tile.attr("eps"))
-    return x.float()
