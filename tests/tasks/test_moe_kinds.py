@@ -51,8 +51,10 @@ def _graph(b: int, h: int, e: int, k: int, inter: int, renorm: bool, tiles: int,
 def _expected(x, norm, gate, w13, w2, k: int, renorm: bool):
     """(ids, weights, new hidden) of the torch MoE block."""
     xf = x.float()
-    normed = _bf16(norm.float() * _bf16(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)))
-    probs = torch.softmax(_bf16(normed @ gate.float().T), dim=-1)
+    inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)
+    normed = _bf16(norm.float() * _bf16(xf * inv))
+    # The gate linear's rmsnorm prologue: the norm weight folded into the gate (linear/task.py).
+    probs = torch.softmax(_bf16((xf @ _bf16(gate.float() * norm.float()).T) * inv), dim=-1)
     top, ids = torch.topk(probs, k, dim=-1)  # random weights: no exact ties
     if renorm:
         top = top / top.sum(dim=-1, keepdim=True)

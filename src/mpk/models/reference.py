@@ -15,6 +15,11 @@ nothing is rounded. hf_exact=True (bf16 only) adds the remaining roundings of tr
 bf16 path (bf16 cos/sin, each RoPE product, scores, scaled scores, probabilities, bf16 logits)
 and runs every matmul through torch's bf16 kernels as HF does, so that not even summation order
 differs: the tests use it to show every other rounding point matches Hugging Face bit for bit.
+A linear that reads an RMSNorm's output (q/k/v, the dense gate/up, the router gate, the LM head)
+is computed as the megakernel fuses it (fused_norms, unless hf_exact or fp32): the norm weight
+folded into the linear's weight, bf16(W * g), the raw rows multiplied by it and each row's sums
+by its inverse rms, so that rounding stands where HF rounds the normalised rows (the same math,
+as accurate). fused_norms=False keeps HF's order there, as a plan with unfused norms computes.
 
 Mixture-of-experts layers (Qwen3-MoE) follow transformers' Qwen3MoeSparseMoeBlock with its default
 experts implementation (grouped_mm): router logits = the (bf16-rounded) gate linear of the normed
@@ -41,7 +46,8 @@ class ReferenceModel:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_seq: int,
                  activation_dtype: torch.dtype = torch.bfloat16,
-                 bf16_logits: bool = False, hf_exact: bool = False) -> None:
+                 bf16_logits: bool = False, hf_exact: bool = False,
+                 fused_norms: bool = True) -> None:
         if activation_dtype not in (torch.bfloat16, torch.float32):
             raise UnsupportedError(f"activation_dtype must be bfloat16 or float32, "
                                    f"got {activation_dtype}")
@@ -50,6 +56,7 @@ class ReferenceModel:
         self.max_seq = max_seq
         self.activation_dtype = activation_dtype
         self._round_bf16 = activation_dtype == torch.bfloat16
+        self.fused_norms = fused_norms
         if hf_exact and not self._round_bf16:
             raise UnsupportedError("hf_exact needs activation_dtype=torch.bfloat16")
         self.hf_exact = hf_exact
@@ -99,6 +106,24 @@ class ReferenceModel:
         y = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.cfg.rms_eps)
         return self._round(self.w[name].float() * self._round(y))
 
+    def _fold(self) -> bool:
+        return self.fused_norms and self._round_bf16 and not self.hf_exact
+
+    def _inv_rms(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.cfg.rms_eps)
+
+    def _norm_product(self, x: torch.Tensor, norm: str, name: str) -> torch.Tensor:
+        """rmsnorm(x, norm) @ W^T in fp32, unrounded, with the norm weight folded into W (see
+        the module docstring)."""
+        folded = self._round(self.w[name].float() * self.w[norm].float())
+        return (x @ folded.t()) * self._inv_rms(x)
+
+    def _norm_linear(self, x: torch.Tensor, norm: str, name: str) -> torch.Tensor:
+        """_linear(_rmsnorm(x, norm), name), as the megakernel fuses it."""
+        if not self._fold():
+            return self._linear(self._rmsnorm(x, norm), name)
+        return self._round(self._norm_product(x, norm, name))
+
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Rotate-half RoPE on x [B, heads, T, D] at absolute positions pos [T]."""
         cos, sin = self._cos[pos], self._sin[pos]
@@ -110,12 +135,14 @@ class ReferenceModel:
         return self._round(x * cos + rotated * sin)
 
     def _attention(self, h: torch.Tensor, layer: int, start: int) -> torch.Tensor:
+        """The attention block of the residual stream h (its input norm included)."""
         cfg, p = self.cfg, f"model.layers.{layer}.self_attn."
+        norm = f"model.layers.{layer}.input_layernorm.weight"
         b, t, _ = h.shape
         d = cfg.head_dim
-        q = self._linear(h, p + "q_proj.weight").view(b, t, cfg.num_heads, d)
-        k = self._linear(h, p + "k_proj.weight").view(b, t, cfg.num_kv_heads, d)
-        v = self._linear(h, p + "v_proj.weight").view(b, t, cfg.num_kv_heads, d)
+        q = self._norm_linear(h, norm, p + "q_proj.weight").view(b, t, cfg.num_heads, d)
+        k = self._norm_linear(h, norm, p + "k_proj.weight").view(b, t, cfg.num_kv_heads, d)
+        v = self._norm_linear(h, norm, p + "v_proj.weight").view(b, t, cfg.num_kv_heads, d)
         if cfg.qk_norm:
             q = self._rmsnorm(q, p + "q_norm.weight")
             k = self._rmsnorm(k, p + "k_norm.weight")
@@ -136,21 +163,32 @@ class ReferenceModel:
         return self._linear(out, p + "o_proj.weight")
 
     def _mlp(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        """The MLP block of the residual stream h (its post-attention norm included)."""
+        norm = f"model.layers.{layer}.post_attention_layernorm.weight"
         if self.cfg.is_moe_layer(layer):
-            return self._moe(h, layer)
-        return self._swiglu(h, f"model.layers.{layer}.mlp.")
+            return self._moe(h, layer, norm)
+        p = f"model.layers.{layer}.mlp."
+        gate = self._norm_linear(h, norm, p + "gate_proj.weight")
+        up = self._norm_linear(h, norm, p + "up_proj.weight")
+        return self._swiglu_down(gate, up, p)
 
     def _swiglu(self, h: torch.Tensor, p: str) -> torch.Tensor:
         gate = self._linear(h, p + "gate_proj.weight")
         up = self._linear(h, p + "up_proj.weight")
+        return self._swiglu_down(gate, up, p)
+
+    def _swiglu_down(self, gate: torch.Tensor, up: torch.Tensor, p: str) -> torch.Tensor:
         act = self._round(self._round(torch.nn.functional.silu(gate)) * up)
         return self._linear(act, p + "down_proj.weight")
 
     def route(self, h: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [N, k] int64, weights [N, k] fp32 holding bf16 values in bf16 mode) of the
         normed rows h [N, H] in MoE layer `layer`, best first (see the module docstring)."""
+        return self._select(self._linear(h, f"model.layers.{layer}.mlp.gate.weight"))
+
+    def _select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """route's ids and weights from the router logits."""
         cfg = self.cfg
-        logits = self._linear(h, f"model.layers.{layer}.mlp.gate.weight")
         probs = torch.softmax(logits.float(), dim=-1)
         if self.hf_exact:
             top, ids = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
@@ -161,14 +199,18 @@ class ReferenceModel:
             top = top / top.sum(dim=-1, keepdim=True)
         return ids, self._round(top)
 
-    def _moe(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+    def _moe(self, h: torch.Tensor, layer: int, norm: str) -> torch.Tensor:
+        """The MoE block of the residual stream h: the router's gate reads the norm fused (as
+        the megakernel does: _norm_linear), the experts the normed rows."""
         shape = h.shape
         rows = h.reshape(-1, shape[-1])
-        ids, weights = self.route(rows, layer)
+        ids, weights = self._select(self._norm_linear(rows, norm,
+                                                      f"model.layers.{layer}.mlp.gate.weight"))
+        normed = self._rmsnorm(rows, norm)
         weighted = torch.zeros(*ids.shape, shape[-1], device=h.device)  # [N, k, H]
         for e in ids.unique().tolist():
             n, slot = torch.nonzero(ids == e, as_tuple=True)
-            out = self._swiglu(rows[n], f"model.layers.{layer}.mlp.experts.{e}.")
+            out = self._swiglu(normed[n], f"model.layers.{layer}.mlp.experts.{e}.")
             weighted[n, slot] = self._round(out * weights[n, slot, None])
         if self.hf_exact:  # HF sums the bf16 products with torch's bf16 reduction
             return weighted.to(torch.bfloat16).sum(dim=1).float().reshape(shape)
@@ -199,17 +241,16 @@ class ReferenceModel:
                              f"[{int(tokens.min())}, {int(tokens.max())}]")
         h = self.w["model.embed_tokens.weight"][tokens.to(self.device)].float()
         for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            h = self._round(h + self._attention(
-                self._rmsnorm(h, p + "input_layernorm.weight"), i, start_pos))
-            h = self._round(h + self._mlp(
-                self._rmsnorm(h, p + "post_attention_layernorm.weight"), i))
-        h = self._rmsnorm(h, "model.norm.weight")
+            h = self._round(h + self._attention(h, i, start_pos))
+            h = self._round(h + self._mlp(h, i))
         head = "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
         self._length = start_pos + t
         if self.hf_exact:
-            return self._linear(h, head)
-        logits = h @ self.w[head].float().t()
+            return self._linear(self._rmsnorm(h, "model.norm.weight"), head)
+        if self._fold():
+            logits = self._norm_product(h, "model.norm.weight", head)
+        else:
+            logits = self._rmsnorm(h, "model.norm.weight") @ self.w[head].float().t()
         return logits.to(torch.bfloat16).float() if self.bf16_logits else logits
 
     __call__ = forward
