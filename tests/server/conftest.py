@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from mpk.engine import Engine
+from mpk.engine.requests import SamplingParams
 from mpk.models import get_preset, random_weights
+from mpk.server.options import DEFAULT_STEPS_PER_LAUNCH
 from tests.server.server_process import ServerProcess
 from tests.server.tiny_checkpoint import PRESET, SEED, byte_tokenizer, write_tiny_checkpoint
 
@@ -35,19 +37,27 @@ def server(tiny_checkpoint: Path) -> Iterator[ServerProcess]:
 
 
 class Oracle:
-    """Greedy ids and text of the served model, computed in this process (Engine.generate)."""
+    """Greedy ids and text of the served model, computed in this process by an engine with the
+    server's options on the same path: a prompt longer than a launch goes through the prefill
+    plan, whose rmsnorm rounds as Hugging Face's (an op of its own) where the decode plan's
+    fused prologue rounds the folded weight (tasks/linear/task.py), so the two paths agree only
+    up to bf16 rounding."""
 
     def __init__(self) -> None:
         cfg = get_preset(PRESET)
         self.engine = Engine(cfg, random_weights(cfg, seed=SEED), backend="cpu",
-                             max_seq_len=MAX_SEQ_LEN, progress=False)
+                             max_seq_len=MAX_SEQ_LEN, steps_per_launch=DEFAULT_STEPS_PER_LAUNCH,
+                             progress=False)
         self.tokenizer = byte_tokenizer()
 
     def ids(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        out: list[list[int]] = []
-        for i in range(0, len(prompts), 16):  # the engine's largest batch
-            out += self.engine.generate(prompts[i: i + 16], max_tokens).token_ids
-        return out
+        self.engine.start(max_batch=MAX_BATCH)
+        try:
+            handles = [self.engine.submit(p, SamplingParams(max_tokens=max_tokens))
+                       for p in prompts]
+            return [h.result().token_ids for h in handles]
+        finally:
+            self.engine.stop()
 
     def text(self, prompt: str, max_tokens: int) -> str:
         ids = self.ids([self.tokenizer.encode(prompt).ids], max_tokens)[0]
