@@ -60,16 +60,6 @@ __device__ __forceinline__ float silu_mul_f32(float gate, float up) {
 __device__ __forceinline__ float rmsnorm_elem(float x, float inv, float w) {
   return round_bf16(__fmul_rn(w, round_bf16(__fmul_rn(x, inv))));
 }
-// rmsnorm_elem on a packed pair (x2, weights w2) -> packed bf16x2. The first rounding packs two
-// fp32 products at once (cvt.rn.bf16x2.f32); the second multiply is one bf16x2 multiply: the
-// product of two bf16 is exact in fp32, so rounding it once to bf16 is bf16(w * y) as above,
-// bit for bit, in 3 instructions a pair where the fp32 form took ~8 an element.
-__device__ __forceinline__ uint32_t rmsnorm_pair(uint32_t x2, uint32_t w2, float inv) {
-  const __nv_bfloat162 y =
-      __floats2bfloat162_rn(__fmul_rn(bf16lo(x2), inv), __fmul_rn(bf16hi(x2), inv));
-  const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&w2), y);
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
 // inv = rsqrt(mean + eps) as torch computes it (1 / sqrt, IEEE), independent of fast-math flags.
 __device__ __forceinline__ float rms_inv(float sumsq, int n, float eps) {
   float mean = __fdiv_rn(sumsq, static_cast<float>(n));

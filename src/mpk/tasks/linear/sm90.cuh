@@ -106,9 +106,9 @@ struct Task {
 
 // Shared scratch: a 1 KB head at fixed offsets [red: 16 x kWarps f32][best: 16 u64]
 // [sampling: 16 x (seed u64, position i64, temperature f32)], then [xs: B (wide: 16) rows of XS
-// bf16][part: 2 x kWarps x kPartWarp f32][acc: rgs x 8 x B f32]. Plans with a wide linear pass the prologue's Task to run() in red's
-// bytes (kPre): run() copies it to registers before its first barrier, red is first written
-// after it.
+// bf16][part: 2 x kWarps x kPartWarp f32][acc: rgs x 8 x B f32]. Plans with a wide linear pass
+// the prologue's Task to run() in red's bytes (kPre): run() copies it to registers before its
+// first barrier, red is first written after it.
 constexpr int kHeadBytes = 1024;
 constexpr bool kPre = LINEAR_MAX_BATCH > kRows;
 static_assert(sizeof(Task) <= sizeof(float) * kWarps * kMaxB, "red's bytes hold the Task");
