@@ -103,8 +103,7 @@ class ReferenceModel:
 
     def _rmsnorm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         # HF: normalise in fp32, cast to the activation dtype, multiply by the weight.
-        y = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.cfg.rms_eps)
-        return self._round(self.w[name].float() * self._round(y))
+        return self._round(self.w[name].float() * self._round(x * self._inv_rms(x)))
 
     def _fold(self) -> bool:
         return self.fused_norms and self._round_bf16 and not self.hf_exact

@@ -16,9 +16,7 @@ def bf16(x: torch.Tensor) -> torch.Tensor:
 def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim as Hugging Face does it: normalise in fp32, round to bf16,
     multiply by the bf16 weight, round again. Returns fp32 holding bf16 values."""
-    xf = x.float()
-    inv = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return bf16(weight.float() * bf16(xf * inv))
+    return bf16(weight.float() * bf16(x.float() * rms_inv(x, eps)))
 
 
 def rms_inv(x: torch.Tensor, eps: float) -> torch.Tensor:
