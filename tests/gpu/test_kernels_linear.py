@@ -87,11 +87,13 @@ def test_linear_chunked_k(batch):
     linear_case(64, 14336, 4, batch, residual=True, seed=batch)
 
 
-@pytest.mark.parametrize("k,batch", [(8192, 16), (12288, 3)])
-def test_linear_chunked_k_rmsnorm(k, batch):
+@pytest.mark.parametrize("n,k,tasks,batch", [(72, 8192, 5, 16), (72, 12288, 5, 3),
+                                             (256, 8192, 2, 16), (256, 12288, 2, 3)])
+def test_linear_chunked_k_rmsnorm(n, k, tasks, batch):
     """Chunks with an rmsnorm prologue: the rows' sums of squares add up chunk by chunk and
-    scale the outputs after the last; K past the 8,192 a norm-weight page once held."""
-    linear_case(72, k, 5, batch, "rmsnorm", residual=True, seed=11)
+    scale the outputs after the last (2 row groups a task at 5 tasks, blocks of 8 at 2); K past
+    the 8,192 a norm-weight page once held."""
+    linear_case(n, k, tasks, batch, "rmsnorm", residual=True, seed=11)
 
 
 @pytest.mark.parametrize("n,k,tasks,batch", [(3072, 1024, 132, 1), (1536, 576, 132, 4),
@@ -141,17 +143,21 @@ def test_linear_argmax_samples_like_the_interpreter():
     assert bool((cpu["tokens_out"][:, 1] == gpu["tokens_out"][:, 1]).all())  # greedy: exact
 
 @pytest.mark.parametrize("out_dtype", [BF16, F32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("k,xc,prologue", [(1024, 0, "rmsnorm"), (3072, 0, "none"),
-                                           (8192, 2048, "rmsnorm")])
-def test_linear_row_does_not_depend_on_the_batch(k, xc, prologue, out_dtype):
+@pytest.mark.parametrize("k,xc,prologue,tasks", [(1024, 0, "rmsnorm", 16), (3072, 0, "none", 16),
+                                                 (8192, 2048, "rmsnorm", 16),
+                                                 (1024, 0, "rmsnorm", 2),
+                                                 (8192, 2048, "rmsnorm", 2)])
+def test_linear_row_does_not_depend_on_the_batch(k, xc, prologue, tasks, out_dtype):
     """One input row's outputs are bit-identical at batch 1, 8 and 16 (the same input chunks:
     xc) in whichever row it sits, with other rows beside it: the serving engine's one-row plan
     must round a request's row as its 16-row plan does in any of its rows (engine/scheduler.py),
     so a row's MMAs sum its units in the same order at every batch and row (linear/sm90_walk.cuh
     Chains). Batch 9-16 takes the wide walk (rows 8-15 on their own MMAs). fp32 outputs show any
     change in the order of the sums; bf16 outputs hide most of them (one chain a wide row failed
-    only the chunked bf16 case: perf-log, twenty-eighth session)."""
-    n, tasks = 512, 16
+    only the chunked bf16 case: perf-log, twenty-eighth session). 16 tasks give 4 row groups a
+    task (a block of 4: the warps' partial sums added up in warp order), 2 tasks 32 (blocks of
+    8: each warp writes its own row group)."""
+    n = 512
     g = gen(k)
     row0 = randn((1, k), torch.bfloat16, g, 2.0)
     weights = {"w": randn((n, k), torch.bfloat16, g, 1.0 / math.sqrt(k)),
