@@ -174,3 +174,37 @@ def test_linear_row_does_not_depend_on_the_batch(k, xc, prologue, tasks, out_dty
         rows.update({(batch, r): got[r] for r in same})
     for (batch, r), y in rows.items():
         assert torch.equal(y, rows[1, 0]), (batch, r, (y - rows[1, 0]).abs().max())
+
+
+@pytest.mark.parametrize("k", [1024, 2048])
+def test_linear_polled_rows_sum_squares_as_copied_ones(k):
+    """An rmsnorm linear fed by another linear's output: a flagged activation (up to 32 KB) is
+    polled into place, a larger one copied. One input row's outputs are bit-identical at batch 1
+    (polled) and 16 (polled at k 1,024; copied at 2,048, whose 64 KB is past the flags' limit)
+    in whichever row it sits, and batch 16 matches the interpreter: the serving engine's
+    one-row plan polls what its 16-row plan may copy (llama-3.2-1b's hidden)."""
+    n, tasks = 512, 16
+    g = gen(k + 1)
+    row0 = randn((1, k), torch.bfloat16, g, 2.0)
+    weights = {"w0": randn((k, k), torch.bfloat16, g, 1.0 / math.sqrt(k)),
+               "w": randn((n, k), torch.bfloat16, g, 1.0 / math.sqrt(k)),
+               "nw": (1.0 + 0.5 * torch.randn(k, generator=g)).to(torch.bfloat16)}
+    rows = {}
+    for batch in (1, 16):
+        graph, operands = linear_graph(batch, n, k, (n, k), "rmsnorm", F32)
+        graph.add_tensor("w0", (k, k), BF16, Role.WEIGHT)
+        graph.add_tensor("h", (batch, k), BF16, Role.ACTIVATION)
+        graph.add_op("linear", "lin0", (tasks,), operands={"x": "x", "weight": "w0", "out": "h"})
+        graph.add_op("linear", "lin", (tasks,), operands={**operands, "x": "h"},
+                     prologue="rmsnorm")
+        x = randn((batch, k), torch.bfloat16, g, 2.0)
+        same = [r for r in (0, 3, 8, 15) if r < batch]
+        x[same] = row0
+        inputs = {"x": x, **weights}
+        plan = compile_graph(graph, num_sms=16)
+        got = run_on(plan, "cuda", inputs, ["y"])["y"]
+        if batch == 16:
+            assert_close(run_on(plan, "cpu", inputs, ["y"])["y"], got, "y")
+        rows.update({(batch, r): got[r] for r in same})
+    for (batch, r), y in rows.items():
+        assert torch.equal(y, rows[1, 0]), (batch, r, (y - rows[1, 0]).abs().max())
