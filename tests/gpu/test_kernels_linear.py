@@ -177,7 +177,7 @@ def test_linear_row_does_not_depend_on_the_batch(k, xc, prologue, tasks, out_dty
 
 
 @pytest.mark.parametrize("k", [1024, 2048])
-def test_linear_polled_rows_sum_squares_as_copied_ones(k):
+def test_linear_polled_and_copied_rows_round_alike(k):
     """An rmsnorm linear fed by another linear's output: a flagged activation (up to 32 KB) is
     polled into place, a larger one copied. One input row's outputs are bit-identical at batch 1
     (polled) and 16 (polled at k 1,024; copied at 2,048, whose 64 KB is past the flags' limit)
@@ -202,6 +202,8 @@ def test_linear_polled_rows_sum_squares_as_copied_ones(k):
         x[same] = row0
         inputs = {"x": x, **weights}
         plan = compile_graph(graph, num_sms=16)
+        flagged = {t.name for t in plan.tensors if t.flagged}
+        assert flagged == ({"h"} if batch == 1 or k == 1024 else set()), flagged
         got = run_on(plan, "cuda", inputs, ["y"])["y"]
         if batch == 16:
             assert_close(run_on(plan, "cpu", inputs, ["y"])["y"], got, "y")
