@@ -56,6 +56,12 @@ def test_concurrent_requests_equal_their_solo_runs() -> None:
     assert full["single_tokens_per_s"] > 0
     assert full["speedup_over_single"] == pytest.approx(
         full["decode_tokens_per_s"] / full["single_tokens_per_s"], rel=0.02)
+    # Each full-batch pass's launches: the lone request's 32 tokens take >= 8 launches of 4
+    # steps (its prompt may add some), the full batch's rows at most 4 tokens a launch each.
+    alone, every = full["launch_split"]["alone"], full["launch_split"]["all_slots"]
+    assert alone["launches"] >= 8 and alone["steps"] >= 31
+    assert every["launches"] >= 8 and every["steps"] * 3 >= 3 * 32
+    assert every["ms_per_step_in_launches"] > 0 and every["between_launches_s"] >= 0
 
 
 def test_the_cli_serving_mode(capsys: pytest.CaptureFixture[str]) -> None:

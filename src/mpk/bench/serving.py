@@ -24,9 +24,9 @@ Over one started engine (one compiled plan of `max_batch` rows):
               ratio.
 The headline ratio is the concurrent output tokens/s over the single-request decode rate; the
 trace's prompts and arrivals are part of it, the full-batch ratio is decoding alone.
-`launch_split` says, for the single and the concurrent pass, how much of the wall time was spent
-inside launches (per step) and how much on the host between them, and how many prompts each
-prefill-plan launch packed.
+`launch_split` says, for the single and the concurrent pass (and the full batch's two passes,
+under full_batch), how much of the wall time was spent inside launches (per step) and how much on
+the host between them, and how many prompts each prefill-plan launch packed.
 """
 
 from __future__ import annotations
@@ -120,10 +120,16 @@ def _concurrent(engine: Engine, trace: Trace) -> tuple[list[RequestHandle], floa
 
 def _full_batch(engine: Engine, trace: Trace, max_batch: int, tokens: int) -> dict[str, Any]:
     """Decode tokens/s with every one of `max_batch` slots decoding, and of the first of those
-    requests alone (module docstring)."""
+    requests alone (module docstring); each pass's launch split."""
     prompts = tuple(trace.prompts[i % len(trace.prompts)][:FULL_PROMPT] for i in range(max_batch))
+    launches = engine.scheduler.stats.launch_times
+    since = len(launches)
     alone = _solo(engine, Trace(prompts[:1], (tokens,), (0.0,)))[0]
-    handles, _ = _concurrent(engine, Trace(prompts, (tokens,) * max_batch, (0.0,) * max_batch))
+    alone_times, since = launches[since:], len(launches)
+    handles, wall_s = _concurrent(engine, Trace(prompts, (tokens,) * max_batch,
+                                                (0.0,) * max_batch))
+    full_times = launches[since:]
+    alone_stats = alone.result().stats
     times = [h.result().stats.token_times for h in handles]
     start, end = max(t[0] for t in times), min(t[-1] for t in times)
     counted = sum(1 for t in times for at in t if start < at <= end)
@@ -134,7 +140,11 @@ def _full_batch(engine: Engine, trace: Trace, max_batch: int, tokens: int) -> di
             "decode_tokens_per_s": None if rate is None else round(rate, 2),
             "single_tokens_per_s": None if alone_rate is None else round(alone_rate, 2),
             "speedup_over_single": (None if rate is None or not alone_rate
-                                    else round(rate / alone_rate, 2))}
+                                    else round(rate / alone_rate, 2)),
+            "launch_split": {
+                "alone": _launch_split(alone_times,
+                                       alone_stats.token_times[-1] - alone_stats.submitted, []),
+                "all_slots": _launch_split(full_times, wall_s, [])}}
 
 
 def _launch_split(times: list[tuple[float, float, int]], wall_s: float,
@@ -225,5 +235,7 @@ def format_report(result: dict[str, Any]) -> list[str]:
           f"{split['gap_between_launches']['p50_ms'] or '-'} ms); "
           f"{split['prefill_launches']} prefill launches, "
           f"{split['prompts_per_prefill_launch'] or '-'} prompts each"
-          for name, split in result["launch_split"].items()),
+          for name, split in [*result["launch_split"].items(),
+                              *((f"full batch, {k.replace('_', ' ')}", v) for k, v in
+                                result["full_batch"]["launch_split"].items())]),
     ]
