@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mpk.bench.serving import make_trace, positions_needed, run_serving_bench
+from mpk.bench.serving import window_rate, make_trace, positions_needed, run_serving_bench
 from mpk.cli import main
 from mpk.engine.engine import Engine
 from mpk.models import get_preset, random_weights
@@ -22,6 +22,16 @@ def test_the_trace_is_seeded_and_in_range() -> None:
     assert list(a.arrivals_s) == sorted(a.arrivals_s) and a.arrivals_s[-1] > 0
     assert set(make_trace(100, 5, (2, 4), (3, 3), rate=0.0, seed=1).arrivals_s) == {0.0}
     assert positions_needed(a, 16) >= max(len(p) + n for p, n in zip(a.prompts, a.max_tokens))
+
+
+def test_decode_rates_leave_out_the_tokens_that_came_with_the_first() -> None:
+    # A launch feeding a 3-token prompt delivers the first token and 2 more at t = 1.0; two
+    # launches of 2 tokens follow: 4 tokens in 2 s, not 5 (the 2 came before the window).
+    assert window_rate([[1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]]) == (1.0, 3.0, 4, 2.0)
+    # Together: from the last request's first token to the first request's last.
+    start, end, counted, rate = window_rate([[1.0, 2.0, 3.0, 4.0], [2.0, 2.0, 3.0]])
+    assert (start, end, counted) == (2.0, 3.0, 2) and rate == 2.0
+    assert window_rate([[1.0, 1.0]])[3] is None  # no time after the first token
 
 
 def test_concurrent_requests_equal_their_solo_runs() -> None:

@@ -6,8 +6,10 @@ drawn from one seed, so a run replays exactly.
 
 Over one started engine (one compiled plan of `max_batch` rows):
   single      one request alone decoding RATE_LAUNCHES launches' worth of tokens: the
-              single-request decode rate (tokens after the first / time from the first token to
-              the last; a launch's tokens arrive together, so the rate needs several launches);
+              single-request decode rate (the tokens delivered after the first token's launch
+              / the time from it to the last token: a launch's tokens arrive together, so the
+              rate needs several launches, and the tokens that came with the first are not
+              counted);
   solo        each request alone (the other slots empty): its tokens;
   concurrent  the trace replayed at its arrival times: per-request TTFT, time per output token
               after the first (TPOT) and the gaps between token deliveries (zero inside a
@@ -20,8 +22,8 @@ Over one started engine (one compiled plan of `max_batch` rows):
               tokens/s while every slot decodes (tokens delivered between the last request's
               first token and the first request's last, over that window), against one
               request alone with the same short prompt (the same context length: attention's
-              cost per step grows with it) -- the serving issue's "16 concurrent requests"
-              ratio.
+              cost per step grows with it; its rate counted the same way) -- the serving
+              issue's "16 concurrent requests" ratio.
 The headline ratio is the concurrent output tokens/s over the single-request decode rate; the
 trace's prompts and arrivals are part of it, the full-batch ratio is decoding alone.
 `launch_split` says, for the single and the concurrent pass (and the full batch's two passes,
@@ -88,11 +90,20 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50_ms": at(0.50), "p99_ms": at(0.99)}
 
 
+def window_rate(times: list[list[float]]) -> tuple[float, float, int, float | None]:
+    """Decode tokens/s of requests decoding together: the tokens delivered after the last
+    request's first token, up to the first request's last, over that window (start, end,
+    tokens, rate). A launch's tokens arrive together, so tokens delivered WITH a first token
+    were made before the window opened and are not counted (a launch that feeds an 8-token
+    prompt delivers the first token and 8 more at once)."""
+    start, end = max(t[0] for t in times), min(t[-1] for t in times)
+    counted = sum(1 for t in times for at in t if start < at <= end)
+    return start, end, counted, (counted / (end - start) if end > start else None)
+
+
 def _decode_rate(handle: RequestHandle) -> float | None:
     times = handle.result().stats.token_times
-    if len(times) < 2 or times[-1] <= times[0]:
-        return None
-    return (len(times) - 1) / (times[-1] - times[0])
+    return window_rate([times])[3] if times else None
 
 
 def _solo(engine: Engine, trace: Trace) -> list[RequestHandle]:
@@ -130,10 +141,7 @@ def _full_batch(engine: Engine, trace: Trace, max_batch: int, tokens: int) -> di
                                                 (0.0,) * max_batch))
     full_times = launches[since:]
     alone_stats = alone.result().stats
-    times = [h.result().stats.token_times for h in handles]
-    start, end = max(t[0] for t in times), min(t[-1] for t in times)
-    counted = sum(1 for t in times for at in t if start < at <= end)
-    rate = counted / (end - start) if end > start else None
+    start, end, counted, rate = window_rate([h.result().stats.token_times for h in handles])
     alone_rate = _decode_rate(alone)
     return {"requests": max_batch, "tokens_each": tokens, "window_s": round(end - start, 6),
             "tokens_in_window": counted,
