@@ -414,7 +414,8 @@ def linear_roles(tl) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[no-untype
     return roles, tl.kind_names() == "linear"
 
 
-def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batch: int) -> dict:
+def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batch: int,
+        plan_positions: int = 0) -> dict:
     from mpk.profile.run import profile_model
 
     patch = RUNS[name]
@@ -422,9 +423,11 @@ def run(model: str, name: str, steps: int, page_bytes: int, max_pages: int, batc
           own_plan_cache(page_bytes),
           page_config(page_bytes, max_pages)):
         res = profile_model(get_preset(model), steps=steps, batch=batch, out_dir=out, repeats=3,
-                            measure_bandwidth=False, extra_includes=(inc,))
+                            measure_bandwidth=False, plan_positions=plan_positions,
+                            extra_includes=(inc,))
     tl = res.timeline
-    row = {"run": name, "batch": batch, "page_bytes": page_bytes, "ms_per_token": res.timing["profiled_ms_per_token"],
+    row = {"run": name, "batch": batch, "page_bytes": page_bytes,
+           "plan_positions": plan_positions, "ms_per_token": res.timing["profiled_ms_per_token"],
            "phases": {r.role: {"phase": round(r.phase_us, 2),
                                **{k: round(v, 2) for k, v in r.parts_us.items()}}
                       for r in res.phases}}
@@ -479,6 +482,8 @@ def main() -> int:
     p.add_argument("--all", action="store_true", help="every run (with --dry-run: every patch)")
     p.add_argument("--page-bytes", type=int, default=codegen.PAGE_BYTES)
     p.add_argument("--max-pages", type=int, default=codegen.MAX_PAGES)
+    p.add_argument("--plan-positions", type=int, default=0,
+                   help="compile for this many KV positions a row (a plan with KV splits)")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -492,7 +497,8 @@ def main() -> int:
         return 0
     rows = []
     for name in names:
-        row = run(args.model, name, args.steps, args.page_bytes, args.max_pages, args.batch)
+        row = run(args.model, name, args.steps, args.page_bytes, args.max_pages, args.batch,
+                  args.plan_positions)
         rows.append(row)
         print(f"{name}: {row['ms_per_token']:.3f} ms/token", flush=True)
         for role, parts in row["phases"].items():

@@ -81,10 +81,12 @@ def write_reports(tl: Timeline, out_dir: str | Path, *, bandwidth_bytes_per_s: f
 def profile_model(cfg: ModelConfig, steps: int = 200, *, weights: dict[str, Any] | None = None,
                   batch: int = 1, seed: int = 0, out_dir: str | Path = "mpk-profile",
                   num_sms: int | None = None, repeats: int = 5, prompt_len: int = 16,
-                  measure_bandwidth: bool = True,
+                  measure_bandwidth: bool = True, plan_positions: int = 0,
                   extra_includes: tuple[Path, ...] = ()) -> ProfileResult:
     """Profile `steps` decode steps of `cfg` on the current CUDA device (see the module doc).
     `weights`: HF-named tensors (default: random_weights(cfg, seed) on the GPU).
+    `plan_positions`: compile the plan for at least this many KV positions a row (a long-context
+    plan, with its attention's KV splits, profiled at the short context of the run).
     `extra_includes`: include directories searched first by the PROFILED build only (patched
     kernel headers: scripts/probe_model.py); the default build stays the product's."""
     import torch
@@ -103,7 +105,7 @@ def profile_model(cfg: ModelConfig, steps: int = 200, *, weights: dict[str, Any]
         weights = random_weights(cfg, seed, device)
     num_sms = num_sms or torch.cuda.get_device_properties(device).multi_processor_count
     prompt = bench_prompt(cfg, batch, prompt_len, seed)
-    pages = -(-(prompt_len + steps + 1) // PAGE_SIZE)
+    pages = -(-max(prompt_len + steps + 1, plan_positions) // PAGE_SIZE)
     shape = DecodeShape(batch=batch, steps_per_launch=max(prompt_len, steps),
                         page_size=PAGE_SIZE, max_pages=pages, num_pages=batch * pages)
     t0 = time.perf_counter()
