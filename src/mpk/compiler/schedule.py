@@ -4,7 +4,10 @@ Tasks are placed in program order (so every per-SM list is a subsequence of one 
 topological order: the basis of the deadlock-freedom argument, checked by simulate.py).
 Each task goes to the SM where the cost model says it finishes first. The model: a task's weight
 bytes stream from HBM as soon as its SM is free (the runtime prefetches weights before waiting),
-its activation work starts once its producers have finished plus a hand-off latency.
+its prologue (TaskCost.prologue_round_trips) runs as soon as its SM is free too, and its
+activation work starts once both the prologue and its producers have finished (plus a hand-off
+latency). Without the prologue term a task that is cheap in the model (one of 16 KV splits)
+lands right behind its SM's own producer task, its prologue then on the critical path.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ class CostModel:
         return (cost.act_bytes / (self.l2_bytes_per_us / max(num_sms, 1))
                 + cost.round_trips * self.round_trip_us)
 
+    def prologue_us(self, cost: TaskCost) -> float:
+        return cost.prologue_round_trips * self.round_trip_us
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -74,7 +80,8 @@ def schedule_tasks(costs: list[TaskCost], waits: list[list[tuple[int, int, bool]
                 ready = max(ready, counter_done.get(c, 0.0) + model.handoff_us)
         w_us = model.weight_us(costs[t], num_sms)
         a_us = model.act_us(costs[t], num_sms) + model.task_overhead_us
-        done = np.maximum(sm_free + w_us, np.maximum(sm_free, ready) + a_us)
+        p_us = model.prologue_us(costs[t])
+        done = np.maximum(sm_free + w_us, np.maximum(sm_free + p_us, ready) + a_us)
         sm = int(np.argmin(done + 1e-9 * busy))
         sm_of[t] = sm
         start[t] = max(sm_free[sm], ready)

@@ -77,12 +77,15 @@ class Param:
 class TaskCost:
     """Bytes and flops of ONE task (one grid point), and the global-memory round trips it makes
     one after another (each waits for the last: latency its bytes do not show; 0 where the
-    bytes set the time)."""
+    bytes set the time). `prologue_round_trips`: those of its prologue (prologue_operands), which
+    runs once its SM is free, before its producers are done: off the critical path only on an
+    SM that is free early enough."""
 
     weight_bytes: int
     act_bytes: int
     flops: int
     round_trips: int = 0
+    prologue_round_trips: int = 0
 
 
 @dataclass(frozen=True)

@@ -378,7 +378,10 @@ class Attention(TaskKind):
         heads, d = op.shape("k_cache")[2:]
         batch = op.tile_shape("qkv")[0]
         kv_bytes = batch * 2 * 1024 * -(-heads // op.grid[0]) * d * 2 // op.grid[2]
-        return TaskCost(weight_bytes=0, act_bytes=kv_bytes, flops=kv_bytes * 2)
+        # The prologue stages the row's position, page-table slice, RoPE rows and norm weights
+        # in two dependent round trips (sm90.cuh).
+        return TaskCost(weight_bytes=0, act_bytes=kv_bytes, flops=kv_bytes * 2,
+                        prologue_round_trips=2)
 
 
 def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor) -> torch.Tensor:
