@@ -167,13 +167,12 @@ def test_linear_row_does_not_depend_on_the_batch(k, xc, prologue, tasks, out_dty
         graph, operands = linear_graph(batch, n, k, (n, k), prologue, out_dtype)
         graph.add_op("linear", "lin", (tasks,), operands=operands, prologue=prologue, xc=xc)
         x = randn((batch, k), torch.bfloat16, g, 2.0)
-        same = [r for r in (0, 3, 8, 15) if r < batch]  # rows holding the same input
+        same = _rows_of(batch)
         x[same] = row0
         inputs = {"x": x, **{name: w for name, w in weights.items() if name in operands.values()}}
         got = run_on(compile_graph(graph, num_sms=16), "cuda", inputs, ["y"])["y"]
         rows.update({(batch, r): got[r] for r in same})
-    for (batch, r), y in rows.items():
-        assert torch.equal(y, rows[1, 0]), (batch, r, (y - rows[1, 0]).abs().max())
+    _assert_all_equal(rows)
 
 
 @pytest.mark.parametrize("k", [1024, 2048])
@@ -198,7 +197,7 @@ def test_linear_polled_and_copied_rows_round_alike(k):
         graph.add_op("linear", "lin", (tasks,), operands={**operands, "x": "h"},
                      prologue="rmsnorm")
         x = randn((batch, k), torch.bfloat16, g, 2.0)
-        same = [r for r in (0, 3, 8, 15) if r < batch]
+        same = _rows_of(batch)
         x[same] = row0
         inputs = {"x": x, **weights}
         plan = compile_graph(graph, num_sms=16)
@@ -208,5 +207,15 @@ def test_linear_polled_and_copied_rows_round_alike(k):
         if batch == 16:
             assert_close(run_on(plan, "cpu", inputs, ["y"])["y"], got, "y")
         rows.update({(batch, r): got[r] for r in same})
+    _assert_all_equal(rows)
+
+
+def _rows_of(batch: int) -> list[int]:
+    """The rows that hold the same input row in a batch of `batch` (row invariance tests)."""
+    return [r for r in (0, 3, 8, 15) if r < batch]
+
+
+def _assert_all_equal(rows: dict[tuple[int, int], torch.Tensor]) -> None:
+    """Every (batch, row)'s outputs bit-identical to batch 1's row 0."""
     for (batch, r), y in rows.items():
         assert torch.equal(y, rows[1, 0]), (batch, r, (y - rows[1, 0]).abs().max())

@@ -106,6 +106,12 @@ def _decode_rate(handle: RequestHandle) -> float | None:
     return window_rate([times])[3] if times else None
 
 
+def _wall_s(handle: RequestHandle) -> float:
+    """Seconds from the request's submission to its last token."""
+    stats = handle.result().stats
+    return stats.token_times[-1] - stats.submitted
+
+
 def _solo(engine: Engine, trace: Trace) -> list[RequestHandle]:
     handles = []
     for prompt, max_tokens in zip(trace.prompts, trace.max_tokens, strict=True):
@@ -140,7 +146,6 @@ def _full_batch(engine: Engine, trace: Trace, max_batch: int, tokens: int) -> di
     handles, wall_s = _concurrent(engine, Trace(prompts, (tokens,) * max_batch,
                                                 (0.0,) * max_batch))
     full_times = launches[since:]
-    alone_stats = alone.result().stats
     start, end, counted, rate = window_rate([h.result().stats.token_times for h in handles])
     alone_rate = _decode_rate(alone)
     return {"requests": max_batch, "tokens_each": tokens, "window_s": round(end - start, 6),
@@ -150,8 +155,7 @@ def _full_batch(engine: Engine, trace: Trace, max_batch: int, tokens: int) -> di
             "speedup_over_single": (None if rate is None or not alone_rate
                                     else round(rate / alone_rate, 2)),
             "launch_split": {
-                "alone": _launch_split(alone_times,
-                                       alone_stats.token_times[-1] - alone_stats.submitted, []),
+                "alone": _launch_split(alone_times, _wall_s(alone), []),
                 "all_slots": _launch_split(full_times, wall_s, [])}}
 
 
@@ -189,8 +193,7 @@ def run_serving_bench(engine: Engine, trace: Trace, max_batch: int) -> dict[str,
         full = _full_batch(engine, trace, max_batch, tokens)
     finally:
         engine.stop()
-    single_stats = single.result().stats
-    single_wall = single_stats.token_times[-1] - single_stats.submitted
+    single_wall = _wall_s(single)
     tokens = sum(len(h.result().token_ids) for h in concurrent)
     mismatched = [i for i, (a, b) in enumerate(zip(solo, concurrent, strict=True))
                   if a.result().token_ids != b.result().token_ids]
