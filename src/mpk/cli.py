@@ -245,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=_positive, default=16, metavar="B",
                    help="serving slots: one compiled plan of B rows (default: 16; also the "
                         "rows --prefill feeds a prompt with)")
+    s.add_argument("--steps-per-launch", type=_positive, default=16, metavar="N",
+                   help="decode steps per launch of the serving engine (default: 16; mpk "
+                        "serve's default is 4)")
     s.add_argument("--prefill", type=_positive, default=None, metavar="P",
                    help="instead: time to first token of one P-token prompt (fed by the "
                         "prefill plan, or as a run of every row), against torch (cuBLAS + "

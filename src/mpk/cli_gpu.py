@@ -54,7 +54,7 @@ def bench(args: argparse.Namespace, backend: str | None = None) -> int:
 def _bench_serving(args: argparse.Namespace, backend: str) -> int:
     from mpk.backends.registry import get_backend
     from mpk.bench.serving import format_report, make_trace, positions_needed, run_serving_bench
-    from mpk.engine.engine import Engine, EngineConfig
+    from mpk.engine.engine import Engine
     if args.tp > 1:
         from mpk.errors import UnsupportedError
 
@@ -63,7 +63,7 @@ def _bench_serving(args: argparse.Namespace, backend: str) -> int:
     cfg = source.cfg
     trace = make_trace(cfg.vocab_size, args.requests, args.prompt_len, args.output_len,
                        args.rate, args.seed)
-    steps = EngineConfig().steps_per_launch
+    steps = args.steps_per_launch
     engine = Engine(cfg, source.load(get_backend(backend).device_type), backend=backend,
                     max_seq_len=positions_needed(trace, steps), steps_per_launch=steps,
                     prefill_chunk=args.prefill_chunk, progress=False if args.json else None)

@@ -76,10 +76,12 @@ def test_concurrent_requests_equal_their_solo_runs() -> None:
 
 def test_the_cli_serving_mode(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["bench", "--serving", "--model", "tiny-llama", "--backend", "cpu",
-                 "--requests", "4", "--prompt-len", "2:6", "--output-len", "2:5", "--json"])
+                 "--requests", "4", "--prompt-len", "2:6", "--output-len", "2:5",
+                 "--steps-per-launch", "4", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["outputs_equal_solo"] and out["requests"] == 4
     assert out["full_batch"]["requests"] == 16 and out["full_batch"]["decode_tokens_per_s"] > 0
+    assert out["full_batch"]["tokens_each"] == 8 * 4  # RATE_LAUNCHES launches of 4 steps
     assert out["backend"] == "cpu" and out["max_batch"] == 16
     code = main(["bench", "--model", "tiny-llama", "--backend", "cpu"])
     assert code == 2 and "only with --serving" in capsys.readouterr().err
