@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from mpk.bench.serving import window_rate, make_trace, positions_needed, run_serving_bench
+from mpk.bench.serving import (RATE_LAUNCHES, make_trace, positions_needed, run_serving_bench,
+                               window_rate)
 from mpk.cli import main
 from mpk.engine.engine import Engine
 from mpk.models import get_preset, random_weights
@@ -81,7 +82,7 @@ def test_the_cli_serving_mode(capsys: pytest.CaptureFixture[str]) -> None:
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["outputs_equal_solo"] and out["requests"] == 4
     assert out["full_batch"]["requests"] == 16 and out["full_batch"]["decode_tokens_per_s"] > 0
-    assert out["full_batch"]["tokens_each"] == 8 * 4  # RATE_LAUNCHES launches of 4 steps
+    assert out["full_batch"]["tokens_each"] == RATE_LAUNCHES * 4  # launches of 4 steps
     assert out["backend"] == "cpu" and out["max_batch"] == 16
     code = main(["bench", "--model", "tiny-llama", "--backend", "cpu"])
     assert code == 2 and "only with --serving" in capsys.readouterr().err
