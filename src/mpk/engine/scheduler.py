@@ -26,6 +26,13 @@ attention kinds, a wider plan's KV splits and linear chunks), so at a real near-
 token may flip. On the GPU the one-row plan rounds every row as the slots' plan
 (EngineConfig.decode_shape: DecodeShape.numerics_batch), so decoding alone or beside others
 gives the same tokens.
+
+While every slot holds a request that decodes alone past its prompt, the next launch is started
+before the last one's tokens are read (the executor's `start`: on the GPU the host then writes
+its inputs and hands out tokens while the device runs): each row embeds its own last sample
+(NO_FORCE), so its inputs do not depend on those tokens. A request a stop id ends in the last
+launch then has one more launch of its row's tokens dropped; a request that arrives while a slot
+is free is never made to wait for such an early launch, since none starts then.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mpk.backends.base import Executor
+from mpk.backends.base import Executor, Launch, start
 from mpk.engine.kv_cache import PagePool
 from mpk.engine.requests import (FinishReason, InvalidRequestError, RequestHandle,
                                  SamplingParams, positions_needed)
@@ -64,7 +71,7 @@ ChunkPlan = Callable[[], tuple[Executor, int]]
 class _Running:
     handle: RequestHandle
     pages: list[int]
-    pos: int = 0  # the next position to process
+    pos: int = 0  # the next position to lay out (a launch moves it when it starts)
     stop_ids: frozenset[int] = frozenset()
     finished: FinishReason | None = None
     sampling_words: tuple[int, ...] = (0,) * io.SAMPLING_WORDS
@@ -82,23 +89,39 @@ class _Running:
 
 @dataclass(frozen=True)
 class _Rows:
-    """The rows one request holds in a launch: `width` consecutive rows from `first`."""
+    """The rows one request holds in a launch: `width` consecutive rows from `first`, feeding
+    positions from `pos` (the request's at the launch's start)."""
 
     run: _Running
     first: int
     width: int
+    pos: int
 
     @property
     def is_run(self) -> bool:
         return self.width > 1
 
 
+@dataclass(frozen=True)
+class _Decode:
+    """A decode launch started and not yet handed out."""
+
+    executor: Executor
+    layout: list[_Rows]
+    steps: int
+    launch: Launch
+    started: float  # perf_counter() when it was started
+
+
 @dataclass
 class LaunchStats:
     steps: int = 0
     launches: int = 0
+    overlapped: int = 0  # decode launches started before the launch ahead handed out its tokens
     seconds: float = 0.0
-    launch_times: list[tuple[float, float, int]] = field(default_factory=list)  # start, end, n
+    # (start, end, n) a launch: end when its tokens came back; start when it was started, or
+    # when the launch before it ended if it was started earlier (it ran after that one).
+    launch_times: list[tuple[float, float, int]] = field(default_factory=list)
     prefill_pieces: list[int] = field(default_factory=list)  # prompts of each prefill launch
     decode_rows: list[int] = field(default_factory=list)  # the plan's rows, each decode launch
 
@@ -140,6 +163,8 @@ class Scheduler:
         self.running: list[_Running] = []  # in admission order, at most `slots`
         self.waiting: collections.deque[RequestHandle] = collections.deque()
         self.stats = LaunchStats()
+        self._in_flight: _Decode | None = None  # a decode launch whose tokens are not out yet
+        self._last_end = 0.0  # when the last launch's tokens came back
         self._lock = threading.Lock()
 
     # ---- requests ------------------------------------------------------------------------
@@ -159,7 +184,7 @@ class Scheduler:
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self.waiting) or bool(self.running)
+            return bool(self.waiting) or bool(self.running) or self._in_flight is not None
 
     @property
     def num_running(self) -> int:
@@ -167,37 +192,24 @@ class Scheduler:
 
     # ---- one launch ----------------------------------------------------------------------
     def step(self) -> int:
-        """Admit what fits, run one launch, hand out its tokens. Returns the steps run."""
-        self._retire_cancelled()
-        self._admit()
-        if not self.running:
-            return 0
-        pieces = self._chunk_pieces()
-        self._last_was_chunk = bool(pieces)
-        if pieces:
-            return self._chunk_launch(pieces)
-        n = min(self.steps_per_launch, max(r.steps_left for r in self._decoding()))
-        executor, rows = self._plan_for(n)
-        self.stats.decode_rows.append(rows)
-        layout = self._layout(n, rows)
-        # A run stops being useful once its prompt is fed: no longer launch than the rows need.
-        n = min(n, max(-(-r.run.prompt_left // r.width) if r.is_run else r.run.steps_left
-                       for r in layout))
-        self._write_inputs(executor, layout, rows)
-        start = time.perf_counter()
-        executor.run(n)
-        produced = executor.read(io.TOKENS_OUT).tolist()  # a list: indexed once per token
-        end = time.perf_counter()
-        self.stats.steps += n
-        self.stats.launches += 1
-        self.stats.seconds += end - start
-        self.stats.launch_times.append((start, end, n))
-        for rows in layout:
-            self._collect(rows, produced, n, end)
-        for run in list(self.running):
-            if run.finished is not None:
-                self._release(run, run.finished)
-        return n
+        """Hand out one launch's tokens: the decode launch in flight, else one run now (after
+        admitting what fits). While every slot holds a request that decodes alone, the launch
+        after it is started first (_start_next): its inputs do not depend on this launch's
+        tokens, so the host's work between launches (handing out tokens, laying out and writing
+        the next inputs) hides under the device's. Returns the steps handed out."""
+        if self._in_flight is None:
+            self._retire_cancelled()
+            self._admit()
+            if not self.running:
+                return 0
+            pieces = self._chunk_pieces()
+            self._last_was_chunk = bool(pieces)
+            if pieces:
+                return self._chunk_launch(pieces)
+            self._in_flight = self._start_decode()
+        current = self._in_flight
+        self._in_flight = self._start_next(current)
+        return self._finish(current)
 
     def cancel_all(self) -> None:
         """Mark every waiting and running request cancelled (retired at the next step)."""
@@ -208,6 +220,7 @@ class Scheduler:
 
     def fail_all(self, error: str) -> None:
         """The engine cannot go on (a kernel error): end every request with the error."""
+        self._in_flight = None  # on a failed executor: nothing more comes back
         with self._lock:
             waiting, self.waiting = list(self.waiting), collections.deque()
         for handle in waiting:
@@ -307,14 +320,13 @@ class Scheduler:
         executor.write(io.SAMPLING, words)
         if s > 1:
             executor.write(io.STARTS, torch.tensor(starts, dtype=torch.int32))
-        start = time.perf_counter()
-        executor.run(1)
-        produced = executor.read(io.TOKENS_OUT).tolist()
-        end = time.perf_counter()
+        began = time.perf_counter()
+        produced = start(executor, 1, (io.TOKENS_OUT,)).wait()[io.TOKENS_OUT].tolist()
+        end = self._last_end = time.perf_counter()
         self.stats.steps += 1
         self.stats.launches += 1
-        self.stats.seconds += end - start
-        self.stats.launch_times.append((start, end, 1))
+        self.stats.seconds += end - began
+        self.stats.launch_times.append((began, end, 1))
         self.stats.prefill_pieces.append(len(pieces))
         for k, (run, _, m) in enumerate(pieces):
             if m == run.prompt_left:  # the piece ends the prompt: its token is the first output
@@ -324,6 +336,65 @@ class Scheduler:
             if run.finished is not None:
                 self._release(run, run.finished)
         return 1
+
+    def _start_decode(self, after: _Decode | None = None) -> _Decode:
+        """Lay out and start a decode launch of every request not being chunked. `after`: the
+        launch still running before it (_start_next)."""
+        n = min(self.steps_per_launch, max(r.steps_left for r in self._decoding()))
+        executor, rows = self._plan_for(n)
+        layout = self._layout(n, rows)
+        # A run stops being useful once its prompt is fed: no longer launch than the rows need.
+        n = min(n, max(-(-r.run.prompt_left // r.width) if r.is_run else r.run.steps_left
+                       for r in layout))
+        follows = set() if after is None else _followers(after, layout)
+        self._write_inputs(executor, layout, rows, follows)
+        started = time.perf_counter()
+        launch = start(executor, n, (io.TOKENS_OUT,))
+        self.stats.decode_rows.append(rows)
+        for r in layout:
+            _advance(r, n)
+        return _Decode(executor, layout, n, launch, started)
+
+    def _start_next(self, current: _Decode) -> _Decode | None:
+        """The decode launch after `current`, started before current's tokens come back, when
+        every slot is taken and that launch's inputs do not depend on the tokens: every request
+        of current goes on in the same single row of the same plan, past its prompt (it embeds
+        its own last sample there), with steps left. A stop id found in current's tokens ends a
+        request later (its row's extra steps are dropped). Else None: the next step lays the
+        launch out once current's tokens are out. Only with every slot taken, because no request
+        could join the early launch: one that arrives while a slot is free joins the next
+        launch, not the one after it."""
+        old = [r.run for r in current.layout]
+        if (len(old) != self.slots or len(self.running) != self.slots
+                or any(r.is_run for r in current.layout)
+                or any(r.finished is not None or r.handle.cancelled or r.steps_left < 1
+                       for r in old)):
+            return None
+        n = min(self.steps_per_launch, max(r.steps_left for r in old))
+        executor, rows = self._plan_for(n)
+        if (executor is not current.executor
+                or len(_followers(current, self._layout(n, rows))) != len(old)):
+            return None
+        self.stats.overlapped += 1
+        return self._start_decode(after=current)
+
+    def _finish(self, current: _Decode) -> int:
+        """Wait for `current`, hand out its tokens, release the requests it finished."""
+        produced = current.launch.wait()[io.TOKENS_OUT].tolist()  # indexed once per token
+        end = time.perf_counter()
+        begin = max(current.started, self._last_end)
+        self._last_end = end
+        n = current.steps
+        self.stats.steps += n
+        self.stats.launches += 1
+        self.stats.seconds += end - begin
+        self.stats.launch_times.append((begin, end, n))
+        for rows in current.layout:
+            self._collect(rows, produced, n, end)
+        for run in list(self.running):
+            if run.finished is not None:
+                self._release(run, run.finished)
+        return n
 
     def _plan_for(self, n: int) -> tuple[Executor, int]:
         """The executor of this launch and its rows: the wide plan when a prompt would not be
@@ -363,13 +434,17 @@ class Scheduler:
             spare -= grow
         layout, first = [], 0
         for run, width in zip(running, widths):
-            layout.append(_Rows(run, first, width))
+            layout.append(_Rows(run, first, width, run.pos))
             first += width
         return layout
 
-    def _write_inputs(self, executor: Executor, layout: list[_Rows], slots: int) -> None:
+    def _write_inputs(self, executor: Executor, layout: list[_Rows], slots: int,
+                      follows: set[int]) -> None:
+        """The launch's inputs. `follows`: the rows that go on from the launch before in the
+        same row, past their prompt: they embed their own last sample (_followers)."""
         # Rows as Python lists, one tensor per input: per-element tensor writes cost more host
         # time than the launch of a small model's step.
+        follow = [io.NO_FORCE] * self.steps_per_launch
         columns = [[0] * self.steps_per_launch for _ in range(slots)]  # unused rows embed 0
         positions = [0] * slots
         table = [[io.NO_PAGE] * self.max_pages for _ in range(slots)]
@@ -383,7 +458,7 @@ class Scheduler:
                 table[b][: len(run.pages)] = run.pages
                 words[b] = list(run.sampling_words)
                 runs[b] = list(run_words(i, rows.width))
-                columns[b] = self._forced(rows, i)
+                columns[b] = follow if b in follows else self._forced(rows, i)
         executor.write(io.PROMPT, torch.tensor(columns, dtype=torch.int32).T.contiguous())
         executor.write(io.POSITIONS, torch.tensor(positions, dtype=torch.int32))
         executor.write(io.PAGE_TABLE, torch.tensor(table, dtype=torch.int32))
@@ -416,15 +491,12 @@ class Scheduler:
         run = rows.run
         last = len(run.handle.prompt) - 1  # the position whose step yields token 0
         if rows.is_run:  # only the last prompt position's token counts
-            end = run.pos + n * rows.width
-            if last < end:
-                s, i = divmod(last - run.pos, rows.width)
+            if last < rows.pos + n * rows.width:
+                s, i = divmod(last - rows.pos, rows.width)
                 self._deliver(run, [produced[s][rows.first + i]], now)
-            run.pos = min(end, last + 1)
             return
-        first = max(0, last - run.pos)
+        first = max(0, last - rows.pos)
         self._deliver(run, [produced[s][rows.first] for s in range(first, n)], now)
-        run.pos += n
 
     def _deliver(self, run: _Running, tokens: list[int], now: float) -> None:
         """Hand the request this launch's `tokens` in order, up to the one that finishes it
@@ -463,6 +535,25 @@ class Scheduler:
         text = self.detokenize(handle.tokens)
         cuts = [text.find(s) for s in handle.params.stop if s in text]
         return text[: min(cuts)] if cuts else text
+
+
+def _advance(rows: _Rows, n: int) -> None:
+    """Move rows.run past the positions a launch of n steps feeds it (a run: up to its prompt's
+    end; its later rows' steps are idle)."""
+    run = rows.run
+    if rows.is_run:
+        run.pos = min(rows.pos + n * rows.width, len(run.handle.prompt))
+    else:
+        run.pos = rows.pos + n
+
+
+def _followers(before: _Decode, layout: list[_Rows]) -> set[int]:
+    """The rows of `layout` held by a request that held that row alone in `before` (the launch
+    just before, on the same plan) and is past its prompt: its row's last sample is its last
+    token, so it need not be forced."""
+    held = {id(r.run): r.first for r in before.layout if not r.is_run}
+    return {r.first for r in layout if not r.is_run and held.get(id(r.run)) == r.first
+            and r.pos >= len(r.run.handle.prompt)}
 
 
 def sampling_words(params: SamplingParams) -> tuple[int, ...]:
