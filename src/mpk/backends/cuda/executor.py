@@ -39,6 +39,7 @@ from mpk.tasks.registry import get_kind
 from .loader import KernelInfo, Megakernel, Params
 
 BINDABLE_ROLES = ("weight", "io")
+_PINNED_WRITE = 1 << 20  # bytes: writes up to this size do not wait for the launches ahead
 
 
 class CudaExecutor:
@@ -141,10 +142,11 @@ class CudaExecutor:
         if tuple(value.shape) != tuple(target.shape):
             raise MpkError(f"write to tensor '{name}': expected shape {tuple(target.shape)}, got "
                            f"{tuple(value.shape)}")
-        if value.device.type == "cpu":
+        if value.device.type == "cpu" and value.numel() * value.element_size() <= _PINNED_WRITE:
             # From a pinned copy, without a sync: the copy waits in the stream for the launches
             # started before it, and the host goes on (the caching host allocator keeps the
-            # pinned block until the copy is done).
+            # pinned block until the copy is done). Larger writes (not a launch's inputs) sync,
+            # so the allocator does not keep big pinned blocks.
             target.copy_(value.pin_memory(), non_blocking=True)
         else:
             target.copy_(value)
