@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -49,12 +48,12 @@ import torch
 
 from mpk.backends.base import Executor, Launch, start
 from mpk.engine.kv_cache import PagePool
+from mpk.engine.layout import (InputShape, Rows, Running, advance, followers, lay_out,
+                               sampling_words, write_inputs)
 from mpk.engine.requests import (FinishReason, InvalidRequestError, RequestHandle,
-                                 SamplingParams, positions_needed)
+                                 positions_needed)
 from mpk.models import decode_io as io
 from mpk.models.prefill import QUERY_BLOCK
-from mpk.tasks import sampling
-from mpk.tasks.runs import encode as run_words
 
 log = logging.getLogger(__name__)
 
@@ -67,47 +66,12 @@ WidePlan = Callable[[], tuple[Executor, int]]
 ChunkPlan = Callable[[], tuple[Executor, int]]
 
 
-@dataclass
-class _Running:
-    handle: RequestHandle
-    pages: list[int]
-    pos: int = 0  # the next position to lay out (a launch moves it when it starts)
-    stop_ids: frozenset[int] = frozenset()
-    finished: FinishReason | None = None
-    sampling_words: tuple[int, ...] = (0,) * io.SAMPLING_WORDS
-
-    @property
-    def steps_left(self) -> int:
-        """Steps to its end when it runs alone."""
-        return len(self.handle.prompt) - 1 + self.handle.params.max_tokens - self.pos
-
-    @property
-    def prompt_left(self) -> int:
-        """Prompt positions still to feed (the last one yields the first token)."""
-        return len(self.handle.prompt) - self.pos
-
-
-@dataclass(frozen=True)
-class _Rows:
-    """The rows one request holds in a launch: `width` consecutive rows from `first`, feeding
-    positions from `pos` (the request's at the launch's start)."""
-
-    run: _Running
-    first: int
-    width: int
-    pos: int
-
-    @property
-    def is_run(self) -> bool:
-        return self.width > 1
-
-
 @dataclass(frozen=True)
 class _Decode:
     """A decode launch started and not yet handed out."""
 
     executor: Executor
-    layout: list[_Rows]
+    layout: list[Rows]
     steps: int
     launch: Launch
     started: float  # perf_counter() when it was started
@@ -160,7 +124,7 @@ class Scheduler:
         self.slots, self.max_pages, self.steps_per_launch = slots, max_pages, steps_per_launch
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.detokenize = detokenize
-        self.running: list[_Running] = []  # in admission order, at most `slots`
+        self.running: list[Running] = []  # in admission order, at most `slots`
         self.waiting: collections.deque[RequestHandle] = collections.deque()
         self.stats = LaunchStats()
         self._in_flight: _Decode | None = None  # a decode launch whose tokens are not out yet
@@ -258,10 +222,10 @@ class Scheduler:
                 pages = self.pool.allocate(positions_needed(len(handle.prompt), params.max_tokens))
                 handle.stats.admitted = time.perf_counter()
                 stop_ids = frozenset(params.stop_token_ids) | self.eos
-                self.running.append(_Running(handle, pages, stop_ids=stop_ids,
+                self.running.append(Running(handle, pages, stop_ids=stop_ids,
                                              sampling_words=sampling_words(params)))
 
-    def _chunked(self, run: _Running) -> bool:
+    def _chunked(self, run: Running) -> bool:
         """Whether `run`'s prompt goes on through the prefill plan. With one prompt a launch:
         while more of it is left than half a chunk (a chunk launch costs the same however few of
         its rows are prompt) and than one launch's steps; when a launch packs several prompts,
@@ -276,11 +240,11 @@ class Scheduler:
         least = self._chunk_size // 2 if self._segments == 1 else 0
         return run.prompt_left > max(self.steps_per_launch, least)
 
-    def _decoding(self) -> list[_Running]:
+    def _decoding(self) -> list[Running]:
         """The running requests a decode launch takes (every one, but those being chunked)."""
         return [run for run in self.running if not self._chunked(run)]
 
-    def _chunk_pieces(self) -> list[tuple[_Running, int, int]]:
+    def _chunk_pieces(self) -> list[tuple[Running, int, int]]:
         """(request, first row, positions) of the prompt pieces the next launch of the prefill
         plan takes, when it is the prefill's turn (after a chunk, the others get a launch): the
         oldest requests' next pieces, each from a 64-row block, as many as fit."""
@@ -296,7 +260,7 @@ class Scheduler:
             row = -(-(row + m) // QUERY_BLOCK) * QUERY_BLOCK
         return pieces
 
-    def _chunk_launch(self, pieces: list[tuple[_Running, int, int]]) -> int:
+    def _chunk_launch(self, pieces: list[tuple[Running, int, int]]) -> int:
         """Feed each piece's prompt positions in one launch of the prefill plan."""
         if self._chunk is None:
             self._chunk = self._chunk_plan()
@@ -346,13 +310,14 @@ class Scheduler:
         # A run stops being useful once its prompt is fed: no longer launch than the rows need.
         n = min(n, max(-(-r.run.prompt_left // r.width) if r.is_run else r.run.steps_left
                        for r in layout))
-        follows = set() if after is None else _followers(after, layout)
-        self._write_inputs(executor, layout, rows, follows)
+        follows = set() if after is None else followers(after.layout, layout)
+        write_inputs(executor, layout, InputShape(rows, self.steps_per_launch, self.max_pages,
+                                                  self.sampling, self.runs), follows)
         started = time.perf_counter()
         launch = start(executor, n, (io.TOKENS_OUT,))
         self.stats.decode_rows.append(rows)
         for r in layout:
-            _advance(r, n)
+            advance(r, n)
         return _Decode(executor, layout, n, launch, started)
 
     def _start_next(self, current: _Decode) -> _Decode | None:
@@ -373,7 +338,7 @@ class Scheduler:
         n = min(self.steps_per_launch, max(r.steps_left for r in old))
         executor, rows = self._plan_for(n)
         if (executor is not current.executor
-                or len(_followers(current, self._layout(n, rows))) != len(old)):
+                or len(followers(current.layout, self._layout(n, rows))) != len(old)):
             return None
         self.stats.overlapped += 1
         return self._start_decode(after=current)
@@ -415,79 +380,11 @@ class Scheduler:
                     return self._wide
         return self.executor, self.slots
 
-    def _layout(self, n: int, rows: int) -> list[_Rows]:
-        """One row per running request (but those whose prompt goes through the prefill plan);
-        the spare rows, oldest request first, widen the requests whose prompt would not be fed
-        within n steps into runs that feed it in n; rows still spare widen those runs further
-        (so the launch can end sooner)."""
-        running = self._decoding()
-        widths = [1] * len(running)
-        spare = rows - len(running) if self.runs else 0
-        needy = [k for k, run in enumerate(running) if run.prompt_left > n]
-        for k in needy:  # enough rows to feed the prompt within n steps
-            grow = min(spare, -(-running[k].prompt_left // n) - 1)
-            widths[k] += grow
-            spare -= grow
-        for k in needy:  # then what is left, up to one row per prompt position
-            grow = min(spare, running[k].prompt_left - widths[k])
-            widths[k] += grow
-            spare -= grow
-        layout, first = [], 0
-        for run, width in zip(running, widths):
-            layout.append(_Rows(run, first, width, run.pos))
-            first += width
-        return layout
+    def _layout(self, n: int, rows: int) -> list[Rows]:
+        """The decoding requests (all but those the prefill plan feeds) laid out on `rows`."""
+        return lay_out(self._decoding(), n, rows, self.runs)
 
-    def _write_inputs(self, executor: Executor, layout: list[_Rows], slots: int,
-                      follows: set[int]) -> None:
-        """The launch's inputs. `follows`: the rows that go on from the launch before in the
-        same row, past their prompt: they embed their own last sample (_followers)."""
-        # Rows as Python lists, one tensor per input: per-element tensor writes cost more host
-        # time than the launch of a small model's step.
-        follow = [io.NO_FORCE] * self.steps_per_launch
-        columns = [[0] * self.steps_per_launch for _ in range(slots)]  # unused rows embed 0
-        positions = [0] * slots
-        table = [[io.NO_PAGE] * self.max_pages for _ in range(slots)]
-        words = [[0] * io.SAMPLING_WORDS for _ in range(slots)]
-        runs = [[0] * io.RUN_WORDS for _ in range(slots)]
-        for rows in layout:
-            run = rows.run
-            for i in range(rows.width):
-                b = rows.first + i
-                positions[b] = run.pos + i
-                table[b][: len(run.pages)] = run.pages
-                words[b] = list(run.sampling_words)
-                runs[b] = list(run_words(i, rows.width))
-                columns[b] = follow if b in follows else self._forced(rows, i)
-        executor.write(io.PROMPT, torch.tensor(columns, dtype=torch.int32).T.contiguous())
-        executor.write(io.POSITIONS, torch.tensor(positions, dtype=torch.int32))
-        executor.write(io.PAGE_TABLE, torch.tensor(table, dtype=torch.int32))
-        if self.sampling:
-            executor.write(io.SAMPLING, torch.tensor(words, dtype=torch.int32))
-        if self.runs:
-            executor.write(io.RUNS, torch.tensor(runs, dtype=torch.int32))
-
-    def _forced(self, rows: _Rows, i: int) -> list[int]:
-        """Row i's PROMPT column: its prompt tokens; past the prompt a run row embeds token 0
-        (its steps are idle) and a row alone its own previous token (forced at step 0, since
-        the request may have held another row in the last launch)."""
-        run, ids = rows.run, rows.run.handle.prompt
-        if not rows.is_run and run.pos + i >= len(ids):  # decoding (the common row, in short)
-            return [run.handle.last_token] + [io.NO_FORCE] * (self.steps_per_launch - 1)
-        out = []
-        for s in range(self.steps_per_launch):
-            p = run.pos + s * rows.width + i
-            if p < len(ids):
-                out.append(ids[p])
-            elif rows.is_run:
-                out.append(0)
-            elif s == 0:
-                out.append(run.handle.last_token)
-            else:
-                out.append(io.NO_FORCE)
-        return out
-
-    def _collect(self, rows: _Rows, produced: list[list[int]], n: int, now: float) -> None:
+    def _collect(self, rows: Rows, produced: list[list[int]], n: int, now: float) -> None:
         run = rows.run
         last = len(run.handle.prompt) - 1  # the position whose step yields token 0
         if rows.is_run:  # only the last prompt position's token counts
@@ -498,7 +395,7 @@ class Scheduler:
         first = max(0, last - rows.pos)
         self._deliver(run, [produced[s][rows.first] for s in range(first, n)], now)
 
-    def _deliver(self, run: _Running, tokens: list[int], now: float) -> None:
+    def _deliver(self, run: Running, tokens: list[int], now: float) -> None:
         """Hand the request this launch's `tokens` in order, up to the one that finishes it
         (a stop id or string, or max_tokens): the later ones are dropped."""
         if run.finished is not None:
@@ -522,7 +419,7 @@ class Scheduler:
         text = self.detokenize(tokens)
         return any(s in text for s in stops)
 
-    def _release(self, run: _Running, reason: FinishReason, error: str | None = None) -> None:
+    def _release(self, run: Running, reason: FinishReason, error: str | None = None) -> None:
         self.pool.free(run.pages)
         with self._lock:
             self.running.remove(run)
@@ -535,30 +432,3 @@ class Scheduler:
         text = self.detokenize(handle.tokens)
         cuts = [text.find(s) for s in handle.params.stop if s in text]
         return text[: min(cuts)] if cuts else text
-
-
-def _advance(rows: _Rows, n: int) -> None:
-    """Move rows.run past the positions a launch of n steps feeds it (a run: up to its prompt's
-    end; its later rows' steps are idle)."""
-    run = rows.run
-    if rows.is_run:
-        run.pos = min(rows.pos + n * rows.width, len(run.handle.prompt))
-    else:
-        run.pos = rows.pos + n
-
-
-def _followers(before: _Decode, layout: list[_Rows]) -> set[int]:
-    """The rows of `layout` held by a request that held that row alone in `before` (the launch
-    just before, on the same plan) and is past its prompt: its row's last sample is its last
-    token, so it need not be forced."""
-    held = {id(r.run): r.first for r in before.layout if not r.is_run}
-    return {r.first for r in layout if not r.is_run and held.get(id(r.run)) == r.first
-            and r.pos >= len(r.run.handle.prompt)}
-
-
-def sampling_words(params: SamplingParams) -> tuple[int, ...]:
-    """A request's row of the SAMPLING input (tasks/sampling.py owns the layout)."""
-    if params.greedy:
-        return sampling.encode(0.0, 0)
-    seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(63)
-    return sampling.encode(params.temperature, seed, params.top_k, params.top_p)
