@@ -198,9 +198,19 @@ def test_a_full_batch_starts_each_launch_before_the_last_ones_tokens_are_read() 
     assert ex.firsts[0] == [5, 2] and ex.firsts[1] == [io.NO_FORCE] * 2
     assert sched.stats.overlapped == len(ex.launches) - 1  # all but the first
     assert sum(ex.launches) == sched.stats.steps == 3 + 17 - 1 and sched.pool.num_free == 64
-    begins = [t[0] for t in sched.stats.launch_times]
-    ends = [t[1] for t in sched.stats.launch_times]
-    assert all(b >= e for b, e in zip(begins[1:], ends))  # counted from the last one's end
+
+
+def test_an_executor_that_cannot_overlap_runs_no_launch_early() -> None:
+    """Without `start` (the interpreter) an early launch would run before the last one's tokens
+    are handed out: only an executor that overlaps gets one."""
+    ex = FakeExecutor(2, 4, 64)
+    sched = Scheduler(ex, PagePool(64, PAGE), 2, MAX_PAGES, 4)
+    handles = [sched.submit(RequestHandle(p, SamplingParams(max_tokens=9))) for p in ([5], [7])]
+    sched.step()
+    assert ex.launches == [4]
+    drain(sched)
+    assert sched.stats.overlapped == 0
+    assert [h.result().token_ids for h in handles] == [solo([5], 9), solo([7], 9)]
 
 
 def test_a_stop_found_after_the_next_launch_started_drops_that_launchs_tokens() -> None:
@@ -233,10 +243,40 @@ def test_cancelling_while_a_launch_is_in_flight_loses_nothing_else() -> None:
     c = sched.submit(RequestHandle([8, 8, 1], SamplingParams(max_tokens=6)))
     drain(sched)
     assert a.result().finish_reason is FinishReason.CANCELLED
-    assert a.result().token_ids == solo([1, 2], 30)[: len(a.result().token_ids)]
-    assert len(a.result().token_ids) >= 8  # two launches handed out before the cancel
+    # Two launches handed out before the cancel (3 + 4 tokens); none from the one in flight.
+    assert a.result().token_ids == solo([1, 2], 30)[:7]
     assert b.result().token_ids == solo([4], 14) and c.result().token_ids == solo([8, 8, 1], 6)
     assert sched.pool.num_free == 64
+
+
+class FailingExecutor(FakeExecutor):
+    """A fake whose `fail_at`-th launch fails (a kernel fault or the watchdog)."""
+
+    def __init__(self, fail_at: int, *args: int) -> None:
+        super().__init__(*args)
+        self.fail_at = fail_at
+
+    def run(self, num_steps: int = 1) -> None:
+        if len(self.launches) + 1 == self.fail_at:
+            raise RuntimeError("the megakernel failed")
+        super().run(num_steps)
+
+
+def test_a_launch_failing_while_the_next_is_in_flight_ends_every_request() -> None:
+    """As the serving loop does on a failed launch: fail_all ends every request, running and
+    waiting, with the error; the launch in flight is dropped and every page comes back."""
+    ex = StreamOrdered(FailingExecutor(3, 2, 4, 64))
+    sched = Scheduler(ex, PagePool(64, PAGE), 2, MAX_PAGES, 4)
+    handles = [sched.submit(RequestHandle(p, SamplingParams(max_tokens=30)))
+               for p in ([5], [7], [9])]
+    sched.step()
+    sched.step()
+    with pytest.raises(RuntimeError, match="failed"):
+        sched.step()
+    sched.fail_all("the megakernel failed")
+    assert not sched.has_work() and sched.pool.num_free == 64
+    assert all(h.result().finish_reason is FinishReason.ERROR for h in handles)
+    assert handles[0].result().token_ids == solo([5], 30)[:8]
 
 
 def test_with_a_slot_free_no_launch_starts_early() -> None:

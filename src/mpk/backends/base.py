@@ -58,6 +58,11 @@ class _Finished:
         return self._results
 
 
+def overlaps(executor: Executor) -> bool:
+    """Whether `executor` returns from `start` while the device runs the launch."""
+    return isinstance(executor, StartsLaunches)
+
+
 def start(executor: Executor, num_steps: int, reads: Sequence[str] = ()) -> Launch:
     """Start a launch of `num_steps` steps on `executor` and the host copies of `reads` taken at
     its end. The host may write the next launch's inputs and start it before this one's wait():

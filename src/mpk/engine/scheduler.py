@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mpk.backends.base import Executor, Launch, start
+from mpk.backends.base import Executor, Launch, overlaps, start
 from mpk.engine.kv_cache import PagePool
 from mpk.engine.layout import (InputShape, Rows, Running, advance, followers, lay_out,
                                sampling_words, write_inputs)
@@ -328,9 +328,11 @@ class Scheduler:
         request later (its row's extra steps are dropped). Else None: the next step lays the
         launch out once current's tokens are out. Only with every slot taken, because no request
         could join the early launch: one that arrives while a slot is free joins the next
-        launch, not the one after it."""
+        launch, not the one after it. Only on an executor that overlaps (base.overlaps): any other
+        would run the early launch before handing out this one's tokens."""
         old = [r.run for r in current.layout]
-        if (len(old) != self.slots or len(self.running) != self.slots
+        if (not overlaps(current.executor) or len(old) != self.slots
+                or len(self.running) != self.slots
                 or any(r.is_run for r in current.layout)
                 or any(r.finished is not None or r.handle.cancelled or r.steps_left < 1
                        for r in old)):
@@ -398,7 +400,7 @@ class Scheduler:
     def _deliver(self, run: Running, tokens: list[int], now: float) -> None:
         """Hand the request this launch's `tokens` in order, up to the one that finishes it
         (a stop id or string, or max_tokens): the later ones are dropped."""
-        if run.finished is not None:
+        if run.finished is not None or run.handle.cancelled:  # a launch in flight at a cancel
             return
         handle, params = run.handle, run.handle.params
         kept, room = 0, params.max_tokens - handle.num_tokens

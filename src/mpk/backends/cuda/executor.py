@@ -204,15 +204,18 @@ class CudaExecutor:
                                     stream.cuda_stream)
             if rc != 0:
                 raise MpkError(f"launching the megakernel failed: {self.kernel.error_string(rc)}")
-            # Each launch its own pinned copies: the next launch may start before this one's
-            # wait() and must not overwrite them.
-            copies = {name: _to_pinned(t) for name, t in sources.items()}
-            error = _to_pinned(self._error)
-            done = torch.cuda.Event()
-            done.record(stream)
-        launch = _CudaLaunch(self, done, error, copies, stamps, self.step)
-        self.step += num_steps
-        return launch
+            step_begin, self.step = self.step, self.step + num_steps  # its steps are queued
+            try:
+                # Each launch its own pinned copies: the next launch may start before this
+                # one's wait() and must not overwrite them.
+                copies = {name: _to_pinned(t) for name, t in sources.items()}
+                error = _to_pinned(self._error)
+                done = torch.cuda.Event()
+                done.record(stream)
+            except Exception as e:  # the launch runs, but its outcome cannot be known
+                self._dead = f"a queued launch could not be followed: {e}"
+                raise MpkError(self._dead) from e
+        return _CudaLaunch(self, done, error, copies, stamps, step_begin)
 
     def last_profile(self) -> tuple[np.ndarray, int]:
         """The last run's stamps, int64 ns [steps, num_sms, max_len, PROF_STAMPS] (zero past an
