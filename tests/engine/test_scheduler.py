@@ -213,6 +213,27 @@ def test_an_executor_that_cannot_overlap_runs_no_launch_early() -> None:
     assert [h.result().token_ids for h in handles] == [solo([5], 9), solo([7], 9)]
 
 
+def test_a_closed_batch_keeps_starting_launches_early_after_a_request_ends() -> None:
+    """After close() (Engine.generate's batch), a request that ends frees a slot that nobody
+    can take: the launches after it start early again (only the one laid out anew after the
+    end, where the rows move, cannot). New submissions are refused."""
+    counts = []
+    for closed in (False, True):
+        sched, ex = make(3, 4)
+        prompts, lengths = ([5], [7], [9]), (5, 20, 20)
+        handles = [sched.submit(RequestHandle(p, SamplingParams(max_tokens=m)))
+                   for p, m in zip(prompts, lengths)]
+        if closed:
+            sched.close()
+            with pytest.raises(InvalidRequestError, match="closed"):
+                sched.submit(RequestHandle([1], SamplingParams(max_tokens=2)))
+        drain(sched)
+        assert [h.result().token_ids for h in handles] == [
+            solo(p, m) for p, m in zip(prompts, lengths)]
+        counts.append((sched.stats.overlapped, len(ex.launches)))
+    assert counts == [(1, 5), (3, 5)]  # launches 2 / 2, 4, 5 of 5 started early
+
+
 def test_a_stop_found_after_the_next_launch_started_drops_that_launchs_tokens() -> None:
     """A stop id in a launch whose successor is already running: the request ends there, its
     row's tokens in the successor are dropped, its slot and pages go to the waiting request

@@ -230,6 +230,7 @@ class Engine:
                                     None if None in texts else texts)
         sched = self._scheduler(len(rows), timings, detokenize)
         handles = [sched.submit(RequestHandle(row, params)) for row in rows]
+        sched.close()  # the whole batch is in: launches may start early once rows finish
         # Progress in tokens generated (prompts are fed a varying number of positions a step).
         with tqdm(total=len(rows) * max_new_tokens, desc="generating", unit="token",
                   disable=not self.progress, leave=False) as bar:

@@ -32,7 +32,8 @@ before the last one's tokens are read (the executor's `start`: on the GPU the ho
 its inputs and hands out tokens while the device runs): each row embeds its own last sample
 (NO_FORCE), so its inputs do not depend on those tokens. A request a stop id ends in the last
 launch then has one more launch of its row's tokens dropped; a request that arrives while a slot
-is free is never made to wait for such an early launch, since none starts then.
+is free is never made to wait for such an early launch, since none starts then (but after
+close(): a batch given at once, where none can arrive).
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ class Scheduler:
         self.stats = LaunchStats()
         self._in_flight: _Decode | None = None  # a decode launch whose tokens are not out yet
         self._last_end = 0.0  # when the last launch's tokens came back
+        self._closed = False  # close(): no more submissions
         self._lock = threading.Lock()
 
     # ---- requests ------------------------------------------------------------------------
@@ -143,8 +145,17 @@ class Scheduler:
             raise InvalidRequestError("stop strings need a tokenizer (load a checkpoint that "
                                       "has one)")
         with self._lock:
+            if self._closed:
+                raise InvalidRequestError("this scheduler was closed to new requests")
             self.waiting.append(handle)
         return handle
+
+    def close(self) -> None:
+        """No request will be submitted any more (a batch given all at once, as
+        Engine.generate's): launches may then start early with a slot free, since no newcomer
+        could be kept waiting by one."""
+        with self._lock:
+            self._closed = True
 
     def has_work(self) -> bool:
         with self._lock:
@@ -326,13 +337,15 @@ class Scheduler:
         of current goes on in the same single row of the same plan, past its prompt (it embeds
         its own last sample there), with steps left. A stop id found in current's tokens ends a
         request later (its row's extra steps are dropped). Else None: the next step lays the
-        launch out once current's tokens are out. Only with every slot taken, because no request
-        could join the early launch: one that arrives while a slot is free joins the next
-        launch, not the one after it. Only on an executor that overlaps (base.overlaps): any other
-        would run the early launch before handing out this one's tokens."""
+        launch out once current's tokens are out. Only with every slot taken (or the scheduler
+        closed and nobody waiting), because no request could join the early launch: one that
+        arrives while a slot is free joins the next launch, not the one after it. Only on an
+        executor that overlaps (base.overlaps): any other would run the early launch before
+        handing out this one's tokens."""
         old = [r.run for r in current.layout]
-        if (not overlaps(current.executor) or len(old) != self.slots
-                or len(self.running) != self.slots
+        with self._lock:
+            full = len(self.running) == self.slots or (self._closed and not self.waiting)
+        if (not overlaps(current.executor) or not full or len(old) != len(self.running)
                 or any(r.is_run for r in current.layout)
                 or any(r.finished is not None or r.handle.cancelled or r.steps_left < 1
                        for r in old)):
