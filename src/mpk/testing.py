@@ -7,6 +7,9 @@ Token oracles: generated tokens against the reference model, teacher-forced, up 
 
 MultiRankCpuExecutor: G tensor-parallel ranks on the CPU interpreter, with a simulated all-reduce.
 
+StreamOrdered: an executor as a CUDA stream orders it, for tests of host code that overlaps
+launches (the scheduler starts a launch before the last one's tokens are read).
+
 Each rank is a plain CpuExecutor over its own Plan (its own tensors, poisoned activations and
 dependency counters); this class only decides WHICH rank's task runs next and hands `allreduce`
 tasks the peers' partials. The one rule it adds to the per-rank counters is the cross-rank wait
@@ -78,6 +81,69 @@ def greedy_mismatches(ref: ReferenceModel, prompts: list[list[int]],
         bad += [f"prompt {row} step {i}: token {tokens[i]} is {float(g):.3g} std below the best"
                 for i, g in enumerate(gaps) if g > near_tie]
     return bad
+
+
+# ---- a CUDA stream's ordering on the host ---------------------------------------------------
+class Stream:
+    """The order of one CUDA stream: writes and launches queue and run when a launch's result
+    is waited for (or a synchronous read needs them), each in the order it was issued."""
+
+    def __init__(self) -> None:
+        self._queue: list[Any] = []
+
+    def issue(self, work: Any) -> None:
+        self._queue.append(work)
+
+    def sync_through(self, work: Any | None = None) -> None:
+        """Run the queue up to and including `work` (None: all of it)."""
+        while self._queue:
+            done = self._queue.pop(0)
+            done()
+            if done is work:
+                return
+
+
+class _Queued:
+    def __init__(self, stream: Stream, work: Any, results: dict[str, torch.Tensor]) -> None:
+        self.stream, self.work, self.results = stream, work, results
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        self.stream.sync_through(self.work)
+        return self.results
+
+
+class StreamOrdered:
+    """`inner` (any executor) seen through `stream`: write() and start() return at once, their
+    work runs in issue order when a launch is waited for, so a write made while a launch is in
+    flight lands after it, and a launch's reads are what it left. read() and run() sync. Other
+    attributes are inner's. Executors that share a KV cache share a stream, as on the GPU."""
+
+    def __init__(self, inner: Any, stream: Stream | None = None) -> None:
+        self.inner, self.stream = inner, stream or Stream()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        copy = value.clone()  # the host may reuse its buffer once write() returns
+        self.stream.issue(lambda: self.inner.write(name, copy))
+
+    def read(self, name: str) -> torch.Tensor:
+        self.stream.sync_through()
+        return self.inner.read(name)
+
+    def run(self, num_steps: int = 1) -> None:
+        self.start(num_steps).wait()
+
+    def start(self, num_steps: int, reads: Sequence[str] = ()) -> _Queued:
+        results: dict[str, torch.Tensor] = {}
+
+        def launch() -> None:
+            self.inner.run(num_steps)
+            results.update({name: self.inner.read(name) for name in reads})
+
+        self.stream.issue(launch)
+        return _Queued(self.stream, launch, results)
 
 
 # ---- a sampling head: lm_head with the argmax epilogue, then argmax_reduce ---------------------

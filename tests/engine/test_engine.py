@@ -9,7 +9,8 @@ from mpk.engine import Engine, InvalidRequestError
 from mpk.errors import MpkError, UnsupportedError
 from mpk.models import get_preset, random_weights
 from mpk.models.reference import ReferenceModel
-from mpk.testing import greedy_mismatches
+from mpk.backends.registry import create_executor
+from mpk.testing import Stream, StreamOrdered, greedy_mismatches
 
 PROMPTS = [[3, 1, 4, 1, 5], [9], [2, 7, 1]]
 NEW = 12
@@ -47,6 +48,27 @@ def test_batch_of_different_lengths_matches_reference(model: tuple, steps_per_la
         assert set(engine.plans) == {len(PROMPTS)}  # the prefill plan is not a batch's plan
     for key in ("compile_s", "load_s", "prefill_s", "decode_s", "ms_per_token"):
         assert result.timings[key] >= 0
+
+
+def test_launches_started_ahead_in_stream_order_match_reference(
+        model: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every slot decoding: each launch starts before the last one's tokens are read, its rows
+    embedding their own last samples. Through a CUDA stream's ordering (StreamOrdered: writes
+    and launches run when waited for, in issue order) the tokens are still the reference's."""
+    import mpk.engine.engine as engine_module
+
+    cfg, weights, _, ref = model
+    stream = Stream()
+
+    def ordered(plan, backend, device=None):  # type: ignore[no-untyped-def]
+        return StreamOrdered(create_executor(plan, backend, device=device), stream)
+
+    monkeypatch.setattr(engine_module, "create_executor", ordered)
+    engine = Engine(cfg, weights, backend="cpu", max_seq_len=MAX_SEQ, steps_per_launch=4,
+                    prefill_rows=1)
+    result = engine.generate(PROMPTS, NEW)
+    assert not greedy_mismatches(ref, PROMPTS, result.token_ids)
+    assert result.timings["overlapped_launches"] >= 2
 
 
 def test_eos_truncates_each_row_after_its_first_eos(model: tuple) -> None:

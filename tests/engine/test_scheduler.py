@@ -7,7 +7,9 @@ step's earlier run rows taken from the step itself and the cache written only af
 has read (so a schedule that relied on another row's write of the same step would read poison).
 These tests pin down the scheduler's bookkeeping without compiling a model: staggered arrivals
 give each request its solo tokens, prompts fed as runs give the same tokens, slots and pages are
-reused, stops, cancellation and KV exhaustion lose nothing.
+reused, stops, cancellation and KV exhaustion lose nothing. The fakes run in a CUDA stream's
+order (mpk.testing.StreamOrdered): a launch started before the last one's tokens are read runs
+after it, as do the inputs written meanwhile.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from mpk.engine.requests import (FinishReason, InvalidRequestError, RequestHandl
 from mpk.engine.scheduler import Scheduler
 from mpk.models import decode_io as io
 from mpk.tasks.runs import row_run
+from mpk.testing import Stream, StreamOrdered
 
 VOCAB = 97
 PAGE = 4
@@ -54,6 +57,7 @@ class FakeExecutor:
         self.launches: list[int] = []
         self.tables: list[torch.Tensor] = []
         self.widths: list[int] = []  # the widest run of each launch
+        self.firsts: list[list[int]] = []  # each launch's PROMPT row of local step 0
 
     def write(self, name: str, value: torch.Tensor) -> None:
         assert value.shape == self.io[name].shape, name
@@ -74,6 +78,7 @@ class FakeExecutor:
         self.launches.append(num_steps)
         self.tables.append(self.io[io.PAGE_TABLE].clone())
         self.widths.append(max(w for _, w in runs))
+        self.firsts.append(self.io[io.PROMPT][0].tolist())
         for s in range(num_steps):
             embedded, positions = [], []
             for b in range(batch):
@@ -115,7 +120,7 @@ def solo(prompt: list[int], max_new: int, stop: tuple[int, ...] = ()) -> list[in
 
 
 def make(slots: int, steps: int, pages: int = 64, **opts) -> tuple[Scheduler, FakeExecutor]:
-    ex = FakeExecutor(slots, steps, pages)
+    ex = StreamOrdered(FakeExecutor(slots, steps, pages))
     return Scheduler(ex, PagePool(pages, PAGE), slots, MAX_PAGES, steps, **opts), ex
 
 
@@ -159,7 +164,8 @@ def test_a_stop_id_frees_the_slot_for_a_waiting_request() -> None:
     first = sched.submit(RequestHandle([11], SamplingParams(max_tokens=30)))
     second = sched.submit(RequestHandle([3, 1], SamplingParams(max_tokens=6)))
     drain(sched)
-    assert first.result().token_ids == free[:5] and first.result().finish_reason is FinishReason.STOP
+    assert first.result().token_ids == free[:5]
+    assert first.result().finish_reason is FinishReason.STOP
     assert second.result().token_ids == solo([3, 1], 6, (eos,))
     assert sum(ex.launches) < 30  # the first request stopped early
 
@@ -176,6 +182,136 @@ def test_a_launch_wakes_the_reader_once_and_a_stop_mid_launch_drops_the_rest() -
     assert [len(c) for c in chunks[:-1]] == [8, 3] and not isinstance(chunks[-1], tuple)
     assert list(chunks[0] + chunks[1]) == free[:11] == handle.result().token_ids
     assert handle.result().finish_reason is FinishReason.STOP
+
+
+def test_a_full_batch_starts_each_launch_before_the_last_ones_tokens_are_read() -> None:
+    """Every slot decoding: after a step hands out a launch's tokens the next launch is already
+    in the stream, its rows embedding their own last samples (NO_FORCE at local step 0), and
+    every request keeps its solo tokens, all the steps counted once."""
+    sched, ex = make(2, 4)
+    prompts = ([5, 9], [2, 3, 7])
+    handles = [sched.submit(RequestHandle(p, SamplingParams(max_tokens=17))) for p in prompts]
+    sched.step()
+    assert ex.launches == [4] and sched.has_work() and sched.stats.overlapped == 1
+    drain(sched)
+    assert [h.result().token_ids for h in handles] == [solo(p, 17) for p in prompts]
+    assert ex.firsts[0] == [5, 2] and ex.firsts[1] == [io.NO_FORCE] * 2
+    assert sched.stats.overlapped == len(ex.launches) - 1  # all but the first
+    assert sum(ex.launches) == sched.stats.steps == 3 + 17 - 1 and sched.pool.num_free == 64
+
+
+def test_an_executor_that_cannot_overlap_runs_no_launch_early() -> None:
+    """Without `start` (the interpreter) an early launch would run before the last one's tokens
+    are handed out: only an executor that overlaps gets one."""
+    ex = FakeExecutor(2, 4, 64)
+    sched = Scheduler(ex, PagePool(64, PAGE), 2, MAX_PAGES, 4)
+    handles = [sched.submit(RequestHandle(p, SamplingParams(max_tokens=9))) for p in ([5], [7])]
+    sched.step()
+    assert ex.launches == [4]
+    drain(sched)
+    assert sched.stats.overlapped == 0
+    assert [h.result().token_ids for h in handles] == [solo([5], 9), solo([7], 9)]
+
+
+def test_a_closed_batch_keeps_starting_launches_early_after_a_request_ends() -> None:
+    """After close() (Engine.generate's batch), a request that ends frees a slot that nobody
+    can take: the launches after it start early again (only the one laid out anew after the
+    end, where the rows move, cannot). New submissions are refused."""
+    counts = []
+    for closed in (False, True):
+        sched, ex = make(3, 4)
+        prompts, lengths = ([5], [7], [9]), (5, 20, 20)
+        handles = [sched.submit(RequestHandle(p, SamplingParams(max_tokens=m)))
+                   for p, m in zip(prompts, lengths)]
+        if closed:
+            sched.close()
+            with pytest.raises(InvalidRequestError, match="closed"):
+                sched.submit(RequestHandle([1], SamplingParams(max_tokens=2)))
+        drain(sched)
+        assert [h.result().token_ids for h in handles] == [
+            solo(p, m) for p, m in zip(prompts, lengths)]
+        counts.append((sched.stats.overlapped, len(ex.launches)))
+    assert counts == [(1, 5), (3, 5)]  # launches 2 / 2, 4, 5 of 5 started early
+
+
+def test_a_stop_found_after_the_next_launch_started_drops_that_launchs_tokens() -> None:
+    """A stop id in a launch whose successor is already running: the request ends there, its
+    row's tokens in the successor are dropped, its slot and pages go to the waiting request
+    (which then runs beside the other one), and everybody keeps the solo tokens."""
+    free = solo([11], 30)
+    eos = free[5]
+    sched, ex = make(2, 4, eos_token_ids=[eos])
+    a = sched.submit(RequestHandle([11], SamplingParams(max_tokens=30)))
+    b = sched.submit(RequestHandle([6, 2], SamplingParams(max_tokens=20)))
+    c = sched.submit(RequestHandle([3, 1, 4], SamplingParams(max_tokens=9)))  # waits for a slot
+    drain(sched)
+    assert a.result().token_ids == free[:6] and a.result().finish_reason is FinishReason.STOP
+    assert b.result().token_ids == solo([6, 2], 20, (eos,))
+    assert c.result().token_ids == solo([3, 1, 4], 9, (eos,))
+    assert sched.pool.num_free == 64
+    # Launch 2 yields a's tokens 4-7 (the stop is 5); launch 3 had started on a's pages.
+    assert ex.firsts[2] == [io.NO_FORCE] * 2 and torch.equal(ex.tables[2][0], ex.tables[1][0])
+    assert ex.firsts[3][0] != io.NO_FORCE  # then b moved to row 0: forced to its last token
+
+
+def test_cancelling_while_a_launch_is_in_flight_loses_nothing_else() -> None:
+    sched, ex = make(2, 4)
+    a = sched.submit(RequestHandle([1, 2], SamplingParams(max_tokens=30)))
+    b = sched.submit(RequestHandle([4], SamplingParams(max_tokens=14)))
+    sched.step()
+    sched.step()
+    a.cancel()
+    c = sched.submit(RequestHandle([8, 8, 1], SamplingParams(max_tokens=6)))
+    drain(sched)
+    assert a.result().finish_reason is FinishReason.CANCELLED
+    # Two launches handed out before the cancel (3 + 4 tokens); none from the one in flight.
+    assert a.result().token_ids == solo([1, 2], 30)[:7]
+    assert b.result().token_ids == solo([4], 14) and c.result().token_ids == solo([8, 8, 1], 6)
+    assert sched.pool.num_free == 64
+
+
+class FailingExecutor(FakeExecutor):
+    """A fake whose `fail_at`-th launch fails (a kernel fault or the watchdog)."""
+
+    def __init__(self, fail_at: int, *args: int) -> None:
+        super().__init__(*args)
+        self.fail_at = fail_at
+
+    def run(self, num_steps: int = 1) -> None:
+        if len(self.launches) + 1 == self.fail_at:
+            raise RuntimeError("the megakernel failed")
+        super().run(num_steps)
+
+
+def test_a_launch_failing_while_the_next_is_in_flight_ends_every_request() -> None:
+    """As the serving loop does on a failed launch: fail_all ends every request, running and
+    waiting, with the error; the launch in flight is dropped and every page comes back."""
+    ex = StreamOrdered(FailingExecutor(3, 2, 4, 64))
+    sched = Scheduler(ex, PagePool(64, PAGE), 2, MAX_PAGES, 4)
+    handles = [sched.submit(RequestHandle(p, SamplingParams(max_tokens=30)))
+               for p in ([5], [7], [9])]
+    sched.step()
+    sched.step()
+    with pytest.raises(RuntimeError, match="failed"):
+        sched.step()
+    sched.fail_all("the megakernel failed")
+    assert not sched.has_work() and sched.pool.num_free == 64
+    assert all(h.result().finish_reason is FinishReason.ERROR for h in handles)
+    assert handles[0].result().token_ids == solo([5], 30)[:8]
+
+
+def test_with_a_slot_free_no_launch_starts_early() -> None:
+    """A request arriving while a slot is free joins the next launch: the scheduler starts no
+    launch ahead while a slot is free (the early launch could not take the newcomer)."""
+    sched, ex = make(3, 4)
+    a = sched.submit(RequestHandle([5, 9], SamplingParams(max_tokens=20)))
+    sched.step()
+    assert sched.stats.overlapped == 0 and ex.launches == [4]
+    b = sched.submit(RequestHandle([7], SamplingParams(max_tokens=5)))
+    sched.step()
+    assert ex.widths[-1] == 1 and ex.firsts[-1][1] == 7  # b is in the second launch
+    drain(sched)
+    assert a.result().token_ids == solo([5, 9], 20) and b.result().token_ids == solo([7], 5)
 
 
 def test_the_iterator_yields_each_token_of_a_launch() -> None:
@@ -385,8 +521,9 @@ def test_cancelling_a_request_while_its_prompt_runs_frees_its_rows() -> None:
 def other_plan(slots: FakeExecutor, rows: int):  # type: ignore[no-untyped-def]
     """A plan of `rows` rows on the slots' KV cache (as the engine binds it), the maker the
     scheduler calls on first use, and the list each call appends to."""
-    other = FakeExecutor(rows, slots.io[io.PROMPT].shape[0], len(slots.cache) // PAGE)
-    other.cache = slots.cache
+    inner = FakeExecutor(rows, slots.io[io.PROMPT].shape[0], len(slots.cache) // PAGE)
+    inner.cache = slots.cache
+    other = StreamOrdered(inner, slots.stream)
     built: list[int] = []
 
     def make() -> tuple[FakeExecutor, int]:
@@ -400,7 +537,7 @@ def test_a_wide_plan_takes_the_launches_that_feed_prompts() -> None:
     """Two slots, a 12-row wide plan on the same cache: launches that feed a long prompt run
     there, decoding-only launches on the slots' plan; every request keeps its solo tokens."""
     pool = PagePool(64, PAGE)
-    narrow = FakeExecutor(2, 4, 64)
+    narrow = StreamOrdered(FakeExecutor(2, 4, 64))
     wide, make_wide, built = other_plan(narrow, 12)
     sched = Scheduler(narrow, pool, 2, MAX_PAGES, 4, wide=make_wide)
     a = sched.submit(RequestHandle([1, 2, 3], SamplingParams(max_tokens=30)))
@@ -421,7 +558,7 @@ def test_a_lone_request_past_its_prompt_decodes_on_the_one_row_plan() -> None:
     launches back to the slots' plan, and when it finishes the first is alone again. Both keep
     their solo tokens; the one-row plan is built once."""
     pool = PagePool(64, PAGE)
-    slots = FakeExecutor(4, 4, 64)
+    slots = StreamOrdered(FakeExecutor(4, 4, 64))
     single, make_single, built = other_plan(slots, 1)
     sched = Scheduler(slots, pool, 4, MAX_PAGES, 4, single=make_single)
     prompt = [(5 * i + 2) % VOCAB for i in range(9)]
@@ -488,8 +625,8 @@ class FakeChunkExecutor:
 
 def make_chunked(slots: int, steps: int, chunk: int, pages: int = 200
                  ) -> tuple[Scheduler, FakeExecutor, FakeChunkExecutor]:
-    ex = FakeExecutor(slots, steps, pages)
-    prefill = FakeChunkExecutor(chunk, ex.cache)
+    ex = StreamOrdered(FakeExecutor(slots, steps, pages))
+    prefill = StreamOrdered(FakeChunkExecutor(chunk, ex.cache), ex.stream)
     sched = Scheduler(ex, PagePool(pages, PAGE), slots, MAX_PAGES, steps,
                       chunk=lambda: (prefill, chunk), chunk_size=chunk)
     return sched, ex, prefill
@@ -557,9 +694,11 @@ def test_a_prompt_being_chunked_does_not_send_the_others_to_the_wide_plan() -> N
     the decoding request, which fits the slots' own plan (a review found them on the 12-row
     plan, because the chunked prompt was counted as needing rows)."""
     pool = PagePool(200, PAGE)
+    stream = Stream()
     narrow, wide = FakeExecutor(2, 4, 200), FakeExecutor(12, 4, 200)
     wide.cache = narrow.cache
-    prefill = FakeChunkExecutor(8, narrow.cache)
+    prefill = StreamOrdered(FakeChunkExecutor(8, narrow.cache), stream)
+    narrow, wide = StreamOrdered(narrow, stream), StreamOrdered(wide, stream)
     sched = Scheduler(narrow, pool, 2, MAX_PAGES, 4, wide=lambda: (wide, 12),
                       chunk=lambda: (prefill, 8), chunk_size=8)
     a = sched.submit(RequestHandle([3, 1, 4], SamplingParams(max_tokens=40)))

@@ -220,7 +220,8 @@ class Engine:
         if max_new_tokens == 0:
             return GenerationResult([[] for _ in rows], {**timings, "prefill_s": 0.0,
                                                          "decode_s": 0.0, "ms_per_token": 0.0,
-                                                         "steps": 0, "launches": 0},
+                                                         "steps": 0, "launches": 0,
+                                                         "overlapped_launches": 0},
                                     ["" for _ in rows] if detokenize else None)
         if self._serving is not None:  # share the serving slots (and start()'s detokenizer)
             results = [h.result() for h in [self.submit(row, params) for row in rows]]
@@ -229,6 +230,7 @@ class Engine:
                                     None if None in texts else texts)
         sched = self._scheduler(len(rows), timings, detokenize)
         handles = [sched.submit(RequestHandle(row, params)) for row in rows]
+        sched.close()  # the whole batch is in: launches may start early once rows finish
         # Progress in tokens generated (prompts are fed a varying number of positions a step).
         with tqdm(total=len(rows) * max_new_tokens, desc="generating", unit="token",
                   disable=not self.progress, leave=False) as bar:
@@ -440,4 +442,5 @@ def _split_timings(stats: LaunchStats, handles: Sequence[RequestHandle]) -> dict
             decode_steps += n
     per_step = decode / decode_steps if decode_steps else stats.seconds / max(stats.steps, 1)
     return {"prefill_s": prefill, "decode_s": decode, "ms_per_token": per_step * 1e3,
-            "steps": stats.steps, "launches": stats.launches}
+            "steps": stats.steps, "launches": stats.launches,
+            "overlapped_launches": stats.overlapped}

@@ -26,13 +26,20 @@ attention kinds, a wider plan's KV splits and linear chunks), so at a real near-
 token may flip. On the GPU the one-row plan rounds every row as the slots' plan
 (EngineConfig.decode_shape: DecodeShape.numerics_batch), so decoding alone or beside others
 gives the same tokens.
+
+While every slot holds a request that decodes alone past its prompt, the next launch is started
+before the last one's tokens are read (the executor's `start`: on the GPU the host then writes
+its inputs and hands out tokens while the device runs): each row embeds its own last sample
+(NO_FORCE), so its inputs do not depend on those tokens. A request a stop id ends in the last
+launch then has one more launch of its row's tokens dropped; a request that arrives while a slot
+is free is never made to wait for such an early launch, since none starts then (but after
+close(): a batch given at once, where none can arrive).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -40,14 +47,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mpk.backends.base import Executor
+from mpk.backends.base import Executor, Launch, overlaps, start
 from mpk.engine.kv_cache import PagePool
+from mpk.engine.layout import (InputShape, Rows, Running, advance, followers, lay_out,
+                               sampling_words, write_inputs)
 from mpk.engine.requests import (FinishReason, InvalidRequestError, RequestHandle,
-                                 SamplingParams, positions_needed)
+                                 positions_needed)
 from mpk.models import decode_io as io
 from mpk.models.prefill import QUERY_BLOCK
-from mpk.tasks import sampling
-from mpk.tasks.runs import encode as run_words
 
 log = logging.getLogger(__name__)
 
@@ -60,45 +67,26 @@ WidePlan = Callable[[], tuple[Executor, int]]
 ChunkPlan = Callable[[], tuple[Executor, int]]
 
 
-@dataclass
-class _Running:
-    handle: RequestHandle
-    pages: list[int]
-    pos: int = 0  # the next position to process
-    stop_ids: frozenset[int] = frozenset()
-    finished: FinishReason | None = None
-    sampling_words: tuple[int, ...] = (0,) * io.SAMPLING_WORDS
-
-    @property
-    def steps_left(self) -> int:
-        """Steps to its end when it runs alone."""
-        return len(self.handle.prompt) - 1 + self.handle.params.max_tokens - self.pos
-
-    @property
-    def prompt_left(self) -> int:
-        """Prompt positions still to feed (the last one yields the first token)."""
-        return len(self.handle.prompt) - self.pos
-
-
 @dataclass(frozen=True)
-class _Rows:
-    """The rows one request holds in a launch: `width` consecutive rows from `first`."""
+class _Decode:
+    """A decode launch started and not yet handed out."""
 
-    run: _Running
-    first: int
-    width: int
-
-    @property
-    def is_run(self) -> bool:
-        return self.width > 1
+    executor: Executor
+    layout: list[Rows]
+    steps: int
+    launch: Launch
+    started: float  # perf_counter() when it was started
 
 
 @dataclass
 class LaunchStats:
     steps: int = 0
     launches: int = 0
+    overlapped: int = 0  # decode launches started before the launch ahead handed out its tokens
     seconds: float = 0.0
-    launch_times: list[tuple[float, float, int]] = field(default_factory=list)  # start, end, n
+    # (start, end, n) a launch: end when its tokens came back; start when it was started, or
+    # when the launch before it ended if it was started earlier (it ran after that one).
+    launch_times: list[tuple[float, float, int]] = field(default_factory=list)
     prefill_pieces: list[int] = field(default_factory=list)  # prompts of each prefill launch
     decode_rows: list[int] = field(default_factory=list)  # the plan's rows, each decode launch
 
@@ -137,9 +125,12 @@ class Scheduler:
         self.slots, self.max_pages, self.steps_per_launch = slots, max_pages, steps_per_launch
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.detokenize = detokenize
-        self.running: list[_Running] = []  # in admission order, at most `slots`
+        self.running: list[Running] = []  # in admission order, at most `slots`
         self.waiting: collections.deque[RequestHandle] = collections.deque()
         self.stats = LaunchStats()
+        self._in_flight: _Decode | None = None  # a decode launch whose tokens are not out yet
+        self._last_end = 0.0  # when the last launch's tokens came back
+        self._closed = False  # close(): no more submissions
         self._lock = threading.Lock()
 
     # ---- requests ------------------------------------------------------------------------
@@ -154,12 +145,21 @@ class Scheduler:
             raise InvalidRequestError("stop strings need a tokenizer (load a checkpoint that "
                                       "has one)")
         with self._lock:
+            if self._closed:
+                raise InvalidRequestError("this scheduler was closed to new requests")
             self.waiting.append(handle)
         return handle
 
+    def close(self) -> None:
+        """No request will be submitted any more (a batch given all at once, as
+        Engine.generate's): launches may then start early with a slot free, since no newcomer
+        could be kept waiting by one."""
+        with self._lock:
+            self._closed = True
+
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self.waiting) or bool(self.running)
+            return bool(self.waiting) or bool(self.running) or self._in_flight is not None
 
     @property
     def num_running(self) -> int:
@@ -167,37 +167,24 @@ class Scheduler:
 
     # ---- one launch ----------------------------------------------------------------------
     def step(self) -> int:
-        """Admit what fits, run one launch, hand out its tokens. Returns the steps run."""
-        self._retire_cancelled()
-        self._admit()
-        if not self.running:
-            return 0
-        pieces = self._chunk_pieces()
-        self._last_was_chunk = bool(pieces)
-        if pieces:
-            return self._chunk_launch(pieces)
-        n = min(self.steps_per_launch, max(r.steps_left for r in self._decoding()))
-        executor, rows = self._plan_for(n)
-        self.stats.decode_rows.append(rows)
-        layout = self._layout(n, rows)
-        # A run stops being useful once its prompt is fed: no longer launch than the rows need.
-        n = min(n, max(-(-r.run.prompt_left // r.width) if r.is_run else r.run.steps_left
-                       for r in layout))
-        self._write_inputs(executor, layout, rows)
-        start = time.perf_counter()
-        executor.run(n)
-        produced = executor.read(io.TOKENS_OUT).tolist()  # a list: indexed once per token
-        end = time.perf_counter()
-        self.stats.steps += n
-        self.stats.launches += 1
-        self.stats.seconds += end - start
-        self.stats.launch_times.append((start, end, n))
-        for rows in layout:
-            self._collect(rows, produced, n, end)
-        for run in list(self.running):
-            if run.finished is not None:
-                self._release(run, run.finished)
-        return n
+        """Hand out one launch's tokens: the decode launch in flight, else one run now (after
+        admitting what fits). While every slot holds a request that decodes alone, the launch
+        after it is started first (_start_next): its inputs do not depend on this launch's
+        tokens, so the host's work between launches (handing out tokens, laying out and writing
+        the next inputs) hides under the device's. Returns the steps handed out."""
+        if self._in_flight is None:
+            self._retire_cancelled()
+            self._admit()
+            if not self.running:
+                return 0
+            pieces = self._chunk_pieces()
+            self._last_was_chunk = bool(pieces)
+            if pieces:
+                return self._chunk_launch(pieces)
+            self._in_flight = self._start_decode()
+        current = self._in_flight
+        self._in_flight = self._start_next(current)
+        return self._finish(current)
 
     def cancel_all(self) -> None:
         """Mark every waiting and running request cancelled (retired at the next step)."""
@@ -208,6 +195,7 @@ class Scheduler:
 
     def fail_all(self, error: str) -> None:
         """The engine cannot go on (a kernel error): end every request with the error."""
+        self._in_flight = None  # on a failed executor: nothing more comes back
         with self._lock:
             waiting, self.waiting = list(self.waiting), collections.deque()
         for handle in waiting:
@@ -245,10 +233,10 @@ class Scheduler:
                 pages = self.pool.allocate(positions_needed(len(handle.prompt), params.max_tokens))
                 handle.stats.admitted = time.perf_counter()
                 stop_ids = frozenset(params.stop_token_ids) | self.eos
-                self.running.append(_Running(handle, pages, stop_ids=stop_ids,
+                self.running.append(Running(handle, pages, stop_ids=stop_ids,
                                              sampling_words=sampling_words(params)))
 
-    def _chunked(self, run: _Running) -> bool:
+    def _chunked(self, run: Running) -> bool:
         """Whether `run`'s prompt goes on through the prefill plan. With one prompt a launch:
         while more of it is left than half a chunk (a chunk launch costs the same however few of
         its rows are prompt) and than one launch's steps; when a launch packs several prompts,
@@ -263,11 +251,11 @@ class Scheduler:
         least = self._chunk_size // 2 if self._segments == 1 else 0
         return run.prompt_left > max(self.steps_per_launch, least)
 
-    def _decoding(self) -> list[_Running]:
+    def _decoding(self) -> list[Running]:
         """The running requests a decode launch takes (every one, but those being chunked)."""
         return [run for run in self.running if not self._chunked(run)]
 
-    def _chunk_pieces(self) -> list[tuple[_Running, int, int]]:
+    def _chunk_pieces(self) -> list[tuple[Running, int, int]]:
         """(request, first row, positions) of the prompt pieces the next launch of the prefill
         plan takes, when it is the prefill's turn (after a chunk, the others get a launch): the
         oldest requests' next pieces, each from a 64-row block, as many as fit."""
@@ -283,7 +271,7 @@ class Scheduler:
             row = -(-(row + m) // QUERY_BLOCK) * QUERY_BLOCK
         return pieces
 
-    def _chunk_launch(self, pieces: list[tuple[_Running, int, int]]) -> int:
+    def _chunk_launch(self, pieces: list[tuple[Running, int, int]]) -> int:
         """Feed each piece's prompt positions in one launch of the prefill plan."""
         if self._chunk is None:
             self._chunk = self._chunk_plan()
@@ -307,14 +295,13 @@ class Scheduler:
         executor.write(io.SAMPLING, words)
         if s > 1:
             executor.write(io.STARTS, torch.tensor(starts, dtype=torch.int32))
-        start = time.perf_counter()
-        executor.run(1)
-        produced = executor.read(io.TOKENS_OUT).tolist()
-        end = time.perf_counter()
+        began = time.perf_counter()
+        produced = start(executor, 1, (io.TOKENS_OUT,)).wait()[io.TOKENS_OUT].tolist()
+        end = self._last_end = time.perf_counter()
         self.stats.steps += 1
         self.stats.launches += 1
-        self.stats.seconds += end - start
-        self.stats.launch_times.append((start, end, 1))
+        self.stats.seconds += end - began
+        self.stats.launch_times.append((began, end, 1))
         self.stats.prefill_pieces.append(len(pieces))
         for k, (run, _, m) in enumerate(pieces):
             if m == run.prompt_left:  # the piece ends the prompt: its token is the first output
@@ -324,6 +311,70 @@ class Scheduler:
             if run.finished is not None:
                 self._release(run, run.finished)
         return 1
+
+    def _start_decode(self, after: _Decode | None = None) -> _Decode:
+        """Lay out and start a decode launch of every request not being chunked. `after`: the
+        launch still running before it (_start_next)."""
+        n = min(self.steps_per_launch, max(r.steps_left for r in self._decoding()))
+        executor, rows = self._plan_for(n)
+        layout = self._layout(n, rows)
+        # A run stops being useful once its prompt is fed: no longer launch than the rows need.
+        n = min(n, max(-(-r.run.prompt_left // r.width) if r.is_run else r.run.steps_left
+                       for r in layout))
+        follows = set() if after is None else followers(after.layout, layout)
+        write_inputs(executor, layout, InputShape(rows, self.steps_per_launch, self.max_pages,
+                                                  self.sampling, self.runs), follows)
+        started = time.perf_counter()
+        launch = start(executor, n, (io.TOKENS_OUT,))
+        self.stats.decode_rows.append(rows)
+        for r in layout:
+            advance(r, n)
+        return _Decode(executor, layout, n, launch, started)
+
+    def _start_next(self, current: _Decode) -> _Decode | None:
+        """The decode launch after `current`, started before current's tokens come back, when
+        every slot is taken and that launch's inputs do not depend on the tokens: every request
+        of current goes on in the same single row of the same plan, past its prompt (it embeds
+        its own last sample there), with steps left. A stop id found in current's tokens ends a
+        request later (its row's extra steps are dropped). Else None: the next step lays the
+        launch out once current's tokens are out. Only with every slot taken (or the scheduler
+        closed and nobody waiting), because no request could join the early launch: one that
+        arrives while a slot is free joins the next launch, not the one after it. Only on an
+        executor that overlaps (base.overlaps): any other would run the early launch before
+        handing out this one's tokens."""
+        old = [r.run for r in current.layout]
+        with self._lock:
+            full = len(self.running) == self.slots or (self._closed and not self.waiting)
+        if (not overlaps(current.executor) or not full or len(old) != len(self.running)
+                or any(r.is_run for r in current.layout)
+                or any(r.finished is not None or r.handle.cancelled or r.steps_left < 1
+                       for r in old)):
+            return None
+        n = min(self.steps_per_launch, max(r.steps_left for r in old))
+        executor, rows = self._plan_for(n)
+        if (executor is not current.executor
+                or len(followers(current.layout, self._layout(n, rows))) != len(old)):
+            return None
+        self.stats.overlapped += 1
+        return self._start_decode(after=current)
+
+    def _finish(self, current: _Decode) -> int:
+        """Wait for `current`, hand out its tokens, release the requests it finished."""
+        produced = current.launch.wait()[io.TOKENS_OUT].tolist()  # indexed once per token
+        end = time.perf_counter()
+        begin = max(current.started, self._last_end)
+        self._last_end = end
+        n = current.steps
+        self.stats.steps += n
+        self.stats.launches += 1
+        self.stats.seconds += end - begin
+        self.stats.launch_times.append((begin, end, n))
+        for rows in current.layout:
+            self._collect(rows, produced, n, end)
+        for run in list(self.running):
+            if run.finished is not None:
+                self._release(run, run.finished)
+        return n
 
     def _plan_for(self, n: int) -> tuple[Executor, int]:
         """The executor of this launch and its rows: the wide plan when a prompt would not be
@@ -344,92 +395,25 @@ class Scheduler:
                     return self._wide
         return self.executor, self.slots
 
-    def _layout(self, n: int, rows: int) -> list[_Rows]:
-        """One row per running request (but those whose prompt goes through the prefill plan);
-        the spare rows, oldest request first, widen the requests whose prompt would not be fed
-        within n steps into runs that feed it in n; rows still spare widen those runs further
-        (so the launch can end sooner)."""
-        running = self._decoding()
-        widths = [1] * len(running)
-        spare = rows - len(running) if self.runs else 0
-        needy = [k for k, run in enumerate(running) if run.prompt_left > n]
-        for k in needy:  # enough rows to feed the prompt within n steps
-            grow = min(spare, -(-running[k].prompt_left // n) - 1)
-            widths[k] += grow
-            spare -= grow
-        for k in needy:  # then what is left, up to one row per prompt position
-            grow = min(spare, running[k].prompt_left - widths[k])
-            widths[k] += grow
-            spare -= grow
-        layout, first = [], 0
-        for run, width in zip(running, widths):
-            layout.append(_Rows(run, first, width))
-            first += width
-        return layout
+    def _layout(self, n: int, rows: int) -> list[Rows]:
+        """The decoding requests (all but those the prefill plan feeds) laid out on `rows`."""
+        return lay_out(self._decoding(), n, rows, self.runs)
 
-    def _write_inputs(self, executor: Executor, layout: list[_Rows], slots: int) -> None:
-        # Rows as Python lists, one tensor per input: per-element tensor writes cost more host
-        # time than the launch of a small model's step.
-        columns = [[0] * self.steps_per_launch for _ in range(slots)]  # unused rows embed 0
-        positions = [0] * slots
-        table = [[io.NO_PAGE] * self.max_pages for _ in range(slots)]
-        words = [[0] * io.SAMPLING_WORDS for _ in range(slots)]
-        runs = [[0] * io.RUN_WORDS for _ in range(slots)]
-        for rows in layout:
-            run = rows.run
-            for i in range(rows.width):
-                b = rows.first + i
-                positions[b] = run.pos + i
-                table[b][: len(run.pages)] = run.pages
-                words[b] = list(run.sampling_words)
-                runs[b] = list(run_words(i, rows.width))
-                columns[b] = self._forced(rows, i)
-        executor.write(io.PROMPT, torch.tensor(columns, dtype=torch.int32).T.contiguous())
-        executor.write(io.POSITIONS, torch.tensor(positions, dtype=torch.int32))
-        executor.write(io.PAGE_TABLE, torch.tensor(table, dtype=torch.int32))
-        if self.sampling:
-            executor.write(io.SAMPLING, torch.tensor(words, dtype=torch.int32))
-        if self.runs:
-            executor.write(io.RUNS, torch.tensor(runs, dtype=torch.int32))
-
-    def _forced(self, rows: _Rows, i: int) -> list[int]:
-        """Row i's PROMPT column: its prompt tokens; past the prompt a run row embeds token 0
-        (its steps are idle) and a row alone its own previous token (forced at step 0, since
-        the request may have held another row in the last launch)."""
-        run, ids = rows.run, rows.run.handle.prompt
-        if not rows.is_run and run.pos + i >= len(ids):  # decoding (the common row, in short)
-            return [run.handle.last_token] + [io.NO_FORCE] * (self.steps_per_launch - 1)
-        out = []
-        for s in range(self.steps_per_launch):
-            p = run.pos + s * rows.width + i
-            if p < len(ids):
-                out.append(ids[p])
-            elif rows.is_run:
-                out.append(0)
-            elif s == 0:
-                out.append(run.handle.last_token)
-            else:
-                out.append(io.NO_FORCE)
-        return out
-
-    def _collect(self, rows: _Rows, produced: list[list[int]], n: int, now: float) -> None:
+    def _collect(self, rows: Rows, produced: list[list[int]], n: int, now: float) -> None:
         run = rows.run
         last = len(run.handle.prompt) - 1  # the position whose step yields token 0
         if rows.is_run:  # only the last prompt position's token counts
-            end = run.pos + n * rows.width
-            if last < end:
-                s, i = divmod(last - run.pos, rows.width)
+            if last < rows.pos + n * rows.width:
+                s, i = divmod(last - rows.pos, rows.width)
                 self._deliver(run, [produced[s][rows.first + i]], now)
-            run.pos = min(end, last + 1)
             return
-        first = max(0, last - run.pos)
+        first = max(0, last - rows.pos)
         self._deliver(run, [produced[s][rows.first] for s in range(first, n)], now)
-        run.pos += n
 
-    def _deliver(self, run: _Running, tokens: list[int], now: float) -> None:
+    def _deliver(self, run: Running, tokens: list[int], now: float) -> None:
         """Hand the request this launch's `tokens` in order, up to the one that finishes it
         (a stop id or string, or max_tokens): the later ones are dropped."""
-        if run.finished is not None:
+        if run.finished is not None or run.handle.cancelled:  # a launch in flight at a cancel
             return
         handle, params = run.handle, run.handle.params
         kept, room = 0, params.max_tokens - handle.num_tokens
@@ -450,7 +434,7 @@ class Scheduler:
         text = self.detokenize(tokens)
         return any(s in text for s in stops)
 
-    def _release(self, run: _Running, reason: FinishReason, error: str | None = None) -> None:
+    def _release(self, run: Running, reason: FinishReason, error: str | None = None) -> None:
         self.pool.free(run.pages)
         with self._lock:
             self.running.remove(run)
@@ -463,11 +447,3 @@ class Scheduler:
         text = self.detokenize(handle.tokens)
         cuts = [text.find(s) for s in handle.params.stop if s in text]
         return text[: min(cuts)] if cuts else text
-
-
-def sampling_words(params: SamplingParams) -> tuple[int, ...]:
-    """A request's row of the SAMPLING input (tasks/sampling.py owns the layout)."""
-    if params.greedy:
-        return sampling.encode(0.0, 0)
-    seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(63)
-    return sampling.encode(params.temperature, seed, params.top_k, params.top_p)

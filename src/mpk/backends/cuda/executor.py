@@ -1,4 +1,4 @@
-"""CudaExecutor: runs a Plan as one persistent megakernel launch per `run()` call.
+"""CudaExecutor: runs a Plan as one persistent megakernel launch per `run()` (or `start()`) call.
 
 Device state (all torch allocations on the executor's device):
   arena       uint8 [arena_bytes]; ACTIVATION tensors are views into it (0xFF-poisoned on request,
@@ -39,6 +39,7 @@ from mpk.tasks.registry import get_kind
 from .loader import KernelInfo, Megakernel, Params
 
 BINDABLE_ROLES = ("weight", "io")
+_PINNED_WRITE = 1 << 20  # bytes: writes up to this size do not wait for the launches ahead
 
 
 class CudaExecutor:
@@ -90,8 +91,6 @@ class CudaExecutor:
                                     dtype=torch.uint8, device=dev)
         self.counters = torch.zeros(max(plan.num_counters, 1), dtype=torch.int64, device=dev)
         self._error = torch.zeros(codegen.ERROR_WORDS, dtype=torch.int32, device=dev)
-        # Pinned mirror: the error code comes back with the same stream sync as the kernel.
-        self._error_host = torch.zeros(codegen.ERROR_WORDS, dtype=torch.int32, pin_memory=True)
         self._abort = torch.zeros(1, dtype=torch.int32, device=dev)
         self._sm_state = torch.zeros(plan.num_sms * codegen.SM_STATE_WORDS, dtype=torch.int32,
                                      device=dev)
@@ -143,7 +142,14 @@ class CudaExecutor:
         if tuple(value.shape) != tuple(target.shape):
             raise MpkError(f"write to tensor '{name}': expected shape {tuple(target.shape)}, got "
                            f"{tuple(value.shape)}")
-        target.copy_(value)
+        if value.device.type == "cpu" and value.numel() * value.element_size() <= _PINNED_WRITE:
+            # From a pinned copy, without a sync: the copy waits in the stream for the launches
+            # started before it, and the host goes on (the caching host allocator keeps the
+            # pinned block until the copy is done). Larger writes (not a launch's inputs) sync,
+            # so the allocator does not keep big pinned blocks.
+            target.copy_(value.pin_memory(), non_blocking=True)
+        else:
+            target.copy_(value)
 
     def read(self, name: str) -> torch.Tensor:
         spec = self._lookup(name)[1]
@@ -153,6 +159,11 @@ class CudaExecutor:
         return self.tensor(name).detach().to("cpu", copy=True)
 
     def run(self, num_steps: int = 1) -> None:
+        self.start(num_steps).wait()
+
+    def start(self, num_steps: int, reads: Sequence[str] = ()) -> _CudaLaunch:
+        """Launch `num_steps` steps and copy `reads` (unflagged tensors) to pinned host memory
+        after them, without waiting: wait() on the result syncs and checks the watchdog."""
         if self._dead is not None:
             raise MpkError(f"this CudaExecutor cannot run again: {self._dead}. Create a new one.")
         self.plan.check_steps(num_steps)
@@ -164,6 +175,10 @@ class CudaExecutor:
                        if i not in self._views and i not in self._bound]
             if missing:
                 raise MpkError(f"bind these tensors before run(): {', '.join(missing)}")
+        sources = {name: self.tensor(name) for name in reads}
+        flagged = [name for name in reads if self._lookup(name)[1].flagged]
+        if flagged:
+            raise MpkError(f"start(): read flagged tensors with read(), not {flagged}")
         stamps = None
         if self.profile:  # zeros: a record that never ran (a stopped launch) keeps no stamps
             stamps = torch.zeros((num_steps, self.plan.num_sms, self._max_len,
@@ -189,19 +204,18 @@ class CudaExecutor:
                                     stream.cuda_stream)
             if rc != 0:
                 raise MpkError(f"launching the megakernel failed: {self.kernel.error_string(rc)}")
-            self._error_host.copy_(self._error, non_blocking=True)
+            step_begin, self.step = self.step, self.step + num_steps  # its steps are queued
             try:
-                stream.synchronize()
-            except RuntimeError as e:  # a fault inside a task: the context is unusable
-                self._dead = f"the megakernel failed: {e}"
+                # Each launch its own pinned copies: the next launch may start before this
+                # one's wait() and must not overwrite them.
+                copies = {name: _to_pinned(t) for name, t in sources.items()}
+                error = _to_pinned(self._error)
+                done = torch.cuda.Event()
+                done.record(stream)
+            except Exception as e:  # the launch runs, but its outcome cannot be known
+                self._dead = f"a queued launch could not be followed: {e}"
                 raise MpkError(self._dead) from e
-        err = self._error_host.tolist()
-        if err[codegen.ERROR_FIELDS["CODE"]] != 0:
-            self._dead = "its megakernel was stopped by the watchdog, counters are inconsistent"
-            raise self._failure(err)
-        if stamps is not None:  # copied to the host on request, outside any timed region
-            self._profile = (stamps, self.step)
-        self.step += num_steps
+        return _CudaLaunch(self, done, error, copies, stamps, step_begin)
 
     def last_profile(self) -> tuple[np.ndarray, int]:
         """The last run's stamps, int64 ns [steps, num_sms, max_len, PROF_STAMPS] (zero past an
@@ -276,7 +290,7 @@ class CudaExecutor:
             self._ptr_table = torch.tensor(ptrs or [0], dtype=torch.int64).to(self.device)
         return self._ptr_table
 
-    def _failure(self, err: list[int]) -> MpkError:
+    def _failure(self, err: list[int], step_begin: int) -> MpkError:
         f = codegen.ERROR_FIELDS
         code, sm, task, index = err[f["CODE"]], err[f["SM"]], err[f["TASK"]], err[f["INDEX"]]
         step = record.join64(err[f["STEP_LO"]], err[f["STEP_HI"]])
@@ -284,7 +298,7 @@ class CudaExecutor:
             name = self.plan.task_name(task)
             story = diagnose.explain(
                 self.plan, self._sm_state.cpu().numpy().reshape(self.plan.num_sms, -1),
-                self.counters.cpu().numpy(), self.step)
+                self.counters.cpu().numpy(), step_begin)
         except Exception as e:  # a corrupt record must not hide the report
             name, story = "?", f"(no diagnosis: {e!r})"
         if code == codegen.ERROR_CODES["BAD_KIND"]:
@@ -309,6 +323,37 @@ class CudaExecutor:
             f"first timeout: task {task} {name} on SM {sm} (position {index}) at global step "
             f"{step}, {what}.\n"
             f"The executor's counters are now inconsistent; create a new executor.")
+
+
+class _CudaLaunch:
+    """A launch in the stream (CudaExecutor.start); wait() once."""
+
+    def __init__(self, executor: CudaExecutor, done: torch.cuda.Event, error: torch.Tensor,
+                 copies: dict[str, torch.Tensor], stamps: torch.Tensor | None,
+                 step_begin: int) -> None:
+        self.executor, self.done, self.error, self.copies = executor, done, error, copies
+        self.stamps, self.step_begin = stamps, step_begin
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        ex = self.executor
+        try:
+            self.done.synchronize()
+        except RuntimeError as e:  # a fault inside a task: the context is unusable
+            ex._dead = f"the megakernel failed: {e}"
+            raise MpkError(ex._dead) from e
+        err = self.error.tolist()
+        if err[codegen.ERROR_FIELDS["CODE"]] != 0:
+            ex._dead = "its megakernel was stopped by the watchdog, counters are inconsistent"
+            raise ex._failure(err, self.step_begin)
+        if self.stamps is not None:  # copied to the host on request, outside any timed region
+            ex._profile = (self.stamps, self.step_begin)
+        return self.copies
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of device tensor t, taken in stream order (valid after a sync)."""
+    host = torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 def _cuda_device(device: str | int | torch.device | None) -> torch.device:

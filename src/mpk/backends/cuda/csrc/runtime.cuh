@@ -557,12 +557,17 @@ extern "C" __global__ void __launch_bounds__(mpk::RUNTIME_THREADS, 1)
   // branch would be spilled around the register reallocation. The thread index is read with
   // an opaque move, so the tasks' own threadIdx.x is not merged with (and kept alive from) it.
   const int tid0 = ptx::thread_index();
+  // A launch queued behind one the watchdog stopped (the host starts launches ahead) does
+  // nothing: its stops would overwrite that launch's report and its signals move counters.
+  __shared__ int stopped_before;
   if (tid0 == 0) {
+    stopped_before = ptx::ld_relaxed_s32(p.abort_flag);
     init_barriers(sh);
     launch_abort = p.abort_flag;
     launch_counters = p.counters;
   }
   __syncthreads();
+  if (stopped_before) return;  // uniform: the whole CTA leaves
   const int warp = tid0 >> 5;
   // The consumers' branch first: with the producers' branch first, ptxas (CUDA 13.0) kept the
   // consumers' code within the kernel's 168 registers and spilled there, whatever their
