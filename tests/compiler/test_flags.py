@@ -119,13 +119,43 @@ def test_epoch_is_never_zero_nor_all_ones() -> None:
         flags.encode_entry(0, 4, 4)
 
 
-def test_tensors_touched_by_kinds_without_the_flagged_form_stay_plain() -> None:
-    _, plan = _plan("tiny-qwen3-moe")
+@pytest.mark.parametrize("batch", [1, 2])
+def test_tensors_touched_by_kinds_without_the_flagged_form_stay_plain(batch: int) -> None:
+    _, plan = _plan("tiny-qwen3-moe", batch=batch)
     flagged = {t.name for t in plan.tensors if t.flagged}
-    # moe_gate_up reads the norm's output and writes the experts' activations plainly; the ids
-    # are int32 (the flagged form is bf16 pairs)
-    for name in ("mlp_norm", "expert_act", "expert_ids", "expert_weights"):
+    # moe_gate_up reads the norm's output plainly; the ids are int32 (the flagged form is bf16
+    # pairs); the routing weights are written by moe_router, which has no flagged out
+    for name in ("mlp_norm", "expert_ids", "expert_weights"):
         assert f"layers.0.{name}" not in flagged, name
+    assert ("layers.0.expert_act" in flagged) == (batch == 1)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_moe_down_polls_the_experts_activations_at_batch_1(batch: int) -> None:
+    """At batch 1 every moe_gate_up task writes its range of one pair in every step (the K slots
+    and the row's K distinct experts pair one to one), so moe_down, which polls every word of
+    expert_act, skips its counted wait on gate_up. At batch > 1 a slot past the step's distinct
+    experts writes nothing, so the activations stay plain and the wait counted."""
+    cfg, plan = _plan("tiny-qwen3-moe", batch=batch)
+    moe_layers = [i for i in range(cfg.num_layers)
+                  if f"layers.{i}.expert_act" in {t.name for t in plan.tensors}]
+    assert moe_layers
+    recs = _records_by_op(plan)
+    for layer in moe_layers:
+        p = f"layers.{layer}."
+        gate_up = {c for rec in recs[p + "experts_gate_up"] for c in record.decode_signals(rec)}
+        if batch == 1:
+            assert _entries(plan, p + "experts_gate_up")["out"] == (1, 0)
+            assert _entries(plan, p + "experts_down")["x"] == (1, 0)
+        else:
+            assert "out" not in _entries(plan, p + "experts_gate_up")
+            assert "x" not in _entries(plan, p + "experts_down")
+        for rec in recs[p + "experts_down"]:
+            waits = record.decode_waits(rec)
+            mask = int(rec[record.POLLED]) & ~record.POLLS
+            on_gate_up = [w for w, (c, _, prev) in enumerate(waits) if not prev and c in gate_up]
+            assert on_gate_up, waits
+            assert all((mask >> w & 1) == (batch == 1) for w in on_gate_up), (waits, mask)
 
 
 @pytest.mark.parametrize("batch", [1, 2])

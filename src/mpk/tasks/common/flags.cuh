@@ -92,6 +92,44 @@ __device__ __forceinline__ uint4 poll8(const flag_word* p, uint32_t epoch, const
   return make_uint4(word_pair(w0), word_pair(w1), word_pair(w2), word_pair(w3));
 }
 
+// Vectors 0 .. n-1 of a flagged tensor (vector v: the four words at words + 4v, eight bf16) into
+// dst (16-byte aligned, natural order), each thread's kN vectors of a round loaded together and
+// only those whose words do not all carry `epoch` yet loaded again (one vector at a time pays an
+// L2 round trip each: perf-log, fourteenth session).
+template <int kN>
+__device__ __forceinline__ void poll_vectors(uint4* dst, const flag_word* words, uint32_t epoch,
+                                             int n, const Poll& poll) {
+  for (int base = threadIdx.x; base < n; base += kN * NUM_THREADS) {
+    unsigned pending = 0u;  // bit j: vector base + j * NUM_THREADS is real and not yet in
+#pragma unroll
+    for (int j = 0; j < kN; ++j)
+      if (base + j * NUM_THREADS < n) pending |= 1u << j;
+    const unsigned real = pending;
+    flag_word w[kN][4] = {};
+    for (;;) {
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+        if ((pending >> j) & 1u) {
+          const flag_word* p = words + 4ll * (base + j * NUM_THREADS);
+          ld_flag2(p, w[j][0], w[j][1]);
+          ld_flag2(p + 2, w[j][2], w[j][3]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kN; ++j)
+        if (word_epoch(w[j][0]) == epoch && word_epoch(w[j][1]) == epoch &&
+            word_epoch(w[j][2]) == epoch && word_epoch(w[j][3]) == epoch)
+          pending &= ~(1u << j);
+      if (pending == 0u || !poll.again()) break;
+    }
+#pragma unroll
+    for (int j = 0; j < kN; ++j)
+      if ((real >> j) & 1u)
+        dst[base + j * NUM_THREADS] = make_uint4(word_pair(w[j][0]), word_pair(w[j][1]),
+                                                 word_pair(w[j][2]), word_pair(w[j][3]));
+  }
+}
+
 // One word expected to carry `epoch` (already loaded into w: reloaded until it does).
 __device__ __forceinline__ uint32_t poll_word(const flag_word* p, flag_word w, uint32_t epoch,
                                               const Poll& poll) {

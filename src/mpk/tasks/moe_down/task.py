@@ -119,8 +119,10 @@ class MoeDown(TaskKind):
         # sm90.cuh: the residual's words are polled; out's are stored whole from ys once every
         # row's range is done, after every read of the task's inputs (x, the routing and the
         # residual words, read before the barrier in front of the stores). Only where
-        # scratch_bytes reserved ys.
-        return frozenset({"residual", "out"}) if _flaggable(op) else frozenset()
+        # scratch_bytes reserved ys. x's words are polled at batch 1 (where moe_gate_up writes
+        # them: its flag_operands), after the first output's weights are asked for.
+        hidden = frozenset({"residual", "out"}) if _flaggable(op) else frozenset()
+        return hidden | {"x"} if op.shape("x")[0] == 1 else hidden
 
     def reference(self, tile: Tile) -> None:
         weight = tile["weight"]  # whole [E, H, I]

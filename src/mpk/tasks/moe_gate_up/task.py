@@ -132,8 +132,21 @@ class MoeGateUp(TaskKind):
                 "tiles": op.grid[1]}
 
     def scratch_bytes(self, op: OpView) -> int:
+        # sm90.cuh: the header, the staged x rows, then (a flagged out) one pair's range of
+        # outputs at a 16-byte boundary
         batch, hidden = op.shape("x")
-        return HEADER_BYTES + 2 * min(batch, MAX_PAIRS) * hidden
+        xs = -(-2 * min(batch, MAX_PAIRS) * hidden // 16) * 16
+        units = -(-op.shape("weight")[2] // ALIGN)  # a range: at most ALIGN x ceil(units / T)
+        ys = 2 * ALIGN * -(-units // op.grid[1]) if _flaggable(op) else 0
+        return HEADER_BYTES + xs + ys
+
+    def flag_operands(self, op: OpView) -> frozenset[str]:
+        # sm90.cuh stores out's words from a shared-memory gather after every read of the task.
+        # Batch 1 only: there the K slots and the row's K distinct experts pair one to one, so
+        # every task writes its range of one pair in every step, and a reader that saw every
+        # word saw every task's writes (compiler/flags.py's premise). At batch > 1 a slot past
+        # the step's distinct experts writes nothing, and a reader's polls would not cover it.
+        return frozenset({"out"}) if _flaggable(op) else frozenset()
 
     def reference(self, tile: Tile) -> None:
         weight = tile["weight"]  # whole [E, 2, I, H]
@@ -163,3 +176,8 @@ class MoeGateUp(TaskKind):
         return TaskCost(weight_bytes=round(busy * 4 * rows * hidden),
                         act_bytes=2 * batch * hidden + round(pairs * 2 * rows),
                         flops=round(pairs * 4 * rows * hidden))
+
+
+def _flaggable(op: OpView) -> bool:
+    batch = op.shape("x")[0]
+    return batch == 1 and op.shape("weight")[2] % 2 == 0
