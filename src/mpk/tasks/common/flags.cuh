@@ -9,6 +9,8 @@
 #pragma once
 #include <stdint.h>
 
+#include "memory.cuh"
+
 namespace mpk::dev {
 
 using flag_word = unsigned long long;
@@ -33,13 +35,14 @@ __device__ __forceinline__ uint32_t flag_epoch(const mpk::TaskArgs& a, int slot)
   return 0u;
 }
 
-// A flagged operand's tile as words: the record's tile offset counts elements, two a word (the
-// offsets of flagged tiles are even), where TaskArgs::operand would count it in T.
-template <class W>
+// A flagged operand's tile as words: the record's tile offset counts elements, kPerWord a word
+// (bf16: two, and the offsets of flagged tiles are even; int32: one), where TaskArgs::operand
+// would count it in T.
+template <class W, int kPerWord = 2>
 __device__ __forceinline__ W* flag_operand(const mpk::TaskArgs& a, int slot) {
   if (!a.has(slot)) return nullptr;
   const long long off = a.operand<const char>(slot) - reinterpret_cast<const char*>(a.base[slot]);
-  return reinterpret_cast<W*>(a.base[slot]) + off / 2;
+  return reinterpret_cast<W*>(a.base[slot]) + off / kPerWord;
 }
 
 __device__ __forceinline__ flag_word make_flag_word(uint32_t pair, uint32_t epoch) {
@@ -135,6 +138,23 @@ __device__ __forceinline__ uint32_t poll_word(const flag_word* p, flag_word w, u
                                               const Poll& poll) {
   while (word_epoch(w) != epoch && poll.again()) w = ld_flag(p);
   return word_pair(w);
+}
+
+// Element i of an int32 activation that is flagged when epoch != 0 (words: one value each) and
+// plain otherwise (an L2-coherent load), in two halves so that other loads can go out between
+// them: ld_i32_word issues the load (a plain value comes as a word of epoch 0), i32_of waits for
+// it, polling a flagged word until it carries `epoch`.
+__device__ __forceinline__ flag_word ld_i32_word(const int* plain, const flag_word* words,
+                                                 uint32_t epoch, int i) {
+  if (epoch == 0u) return make_flag_word(static_cast<uint32_t>(ld_act_i32(plain + i)), 0u);
+  return ld_flag(words + i);
+}
+__device__ __forceinline__ int i32_of(const flag_word* words, flag_word w, uint32_t epoch, int i) {
+  return static_cast<int>(poll_word(words + i, w, epoch, Poll{}));  // epoch 0: w is the value
+}
+__device__ __forceinline__ int ld_i32_maybe_flagged(const int* plain, const flag_word* words,
+                                                    uint32_t epoch, int i) {
+  return i32_of(words, ld_i32_word(plain, words, epoch, i), epoch, i);
 }
 
 }  // namespace mpk::dev

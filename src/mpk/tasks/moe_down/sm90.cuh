@@ -227,6 +227,8 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
                    dev::flag_epoch<FLAGGED>(a, O_OUT)};
   const uint32_t x_ep = dev::flag_epoch<FLAGGED>(a, O_X);  // batch 1 only (task.py)
   const dev::flag_word* xwords = dev::flag_operand<const dev::flag_word>(a, O_X);
+  const uint32_t ids_ep = dev::flag_epoch<FLAGGED>(a, O_EXPERT_IDS);  // batch 1 (task.py)
+  const dev::flag_word* id_words = dev::flag_operand<const dev::flag_word, 1>(a, O_EXPERT_IDS);
   // Nothing below reads `a`: its slot pointer is one of the values the all-kinds build keeps in
   // local memory, and every late read of it is a reload (ptxas spill loads).
   const int BK = B * K, tid = threadIdx.x, lane = tid & 31;
@@ -237,14 +239,17 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   bf16* ys = reinterpret_cast<bf16*>(a.smem + kHeader + ((K * I * 2 + 15) & ~15));
   // Row 0's activations are asked for before the ids and routing weights: a thread's store of
   // an id waits for its load, which would hold its copies back by one L2 round trip.
-  // A flagged x is polled with the first ids' loads in flight (their stores come after it).
+  // A flagged x is polled with the first ids' loads in flight (their stores, and the polls of
+  // flagged ids, come after it).
   if (x_ep == 0u) stage_row(xs, x, 0, kvpr);
-  const int first_id = tid < BK ? dev::ld_act_i32(gids + tid) : -1;
+  const dev::flag_word first_word =
+      tid < BK ? dev::ld_i32_word(gids, id_words, ids_ep, tid) : 0ull;
   const float first_w = tid < BK ? dev::ld_act_bf16f(gws + tid) : 0.f;
   if (x_ep != 0u)
     dev::poll_vectors<kPollVecs>(reinterpret_cast<uint4*>(xs), xwords, x_ep, kvpr, dev::Poll{});
   for (int i = tid; i < BK; i += NUM_THREADS) {  // activations: L2 loads
-    ids[i] = i == tid ? first_id : dev::ld_act_i32(gids + i);
+    ids[i] = i == tid ? dev::i32_of(id_words, first_word, ids_ep, i)
+                      : dev::ld_i32_maybe_flagged(gids, id_words, ids_ep, i);
     ws[i] = i == tid ? first_w : dev::ld_act_bf16f(gws + i);
   }
   Row r{weight, ids, ws, dev::smem_addr(xs), H, I, E, K};

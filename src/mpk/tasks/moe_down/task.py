@@ -121,8 +121,9 @@ class MoeDown(TaskKind):
         # residual words, read before the barrier in front of the stores). Only where
         # scratch_bytes reserved ys. x's words are polled at batch 1 (where moe_gate_up writes
         # them: its flag_operands), after the first output's weights are asked for.
+        # The ids are polled at batch 1 too (moe_router writes them as words there).
         hidden = frozenset({"residual", "out"}) if _flaggable(op) else frozenset()
-        return hidden | {"x"} if op.shape("x")[0] == 1 else hidden
+        return hidden | {"x", "expert_ids"} if op.shape("x")[0] == 1 else hidden
 
     def reference(self, tile: Tile) -> None:
         weight = tile["weight"]  # whole [E, H, I]

@@ -14,8 +14,8 @@
 //
 // 0. At batch <= kMaxPairs every x row is staged (cp.async, L2) before anything else, in place:
 //    its round trip runs under the ids' (a pair finds its row in xrow).
-// 1. The ids (an activation: L2 loads) go to shared memory and set one bit per valid expert in a
-//    512-bit map; every thread finds the slot's expert (the u-th set bit) itself. A slot past the
+// 1. The ids (an activation: L2 loads; at batch 1 flagged words, polled: moe_router) go to
+//    shared memory and set one bit per valid expert in a 512-bit map; every thread finds the slot's expert (the u-th set bit) itself. A slot past the
 //    number of distinct experts has no pairs and does nothing more.
 // 2. Warp 0 lists the pairs i = b*K + j with ids[i] == expert (a ballot per 32 ids).
 // 3. Pairs in groups of up to kMaxPairs: the group's x rows are staged (larger batches), then
@@ -125,6 +125,8 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   const bf16* weight = a.operand<const bf16>(O_WEIGHT);
   bf16* out = reinterpret_cast<bf16*>(a.base[O_OUT]);
   const uint32_t out_ep = dev::flag_epoch<FLAGGED>(a, O_OUT);
+  const uint32_t ids_ep = dev::flag_epoch<FLAGGED>(a, O_EXPERT_IDS);  // batch 1 (task.py)
+  const dev::flag_word* id_words = dev::flag_operand<const dev::flag_word, 1>(a, O_EXPERT_IDS);
   // Nothing below reads `a`: its slot pointer is one of the values the all-kinds build keeps in
   // local memory, and every late read of it is a reload (ptxas spill loads).
   const int BK = B * K, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -149,11 +151,11 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   }
 
   // 1. the expert map and this slot's expert (the first id's load issued before the barrier)
-  const int first_id = tid < BK ? dev::ld_act_i32(gids + tid) : -1;
+  const int first_id = tid < BK ? dev::ld_i32_maybe_flagged(gids, id_words, ids_ep, tid) : -1;
   if (tid < 16) bits[tid] = 0u;
   mpk::task_sync();
   for (int i = tid; i < BK; i += NUM_THREADS) {
-    const int e = i == tid ? first_id : dev::ld_act_i32(gids + i);
+    const int e = i == tid ? first_id : dev::ld_i32_maybe_flagged(gids, id_words, ids_ep, i);
     ids[i] = e;
     if (0 <= e && e < E) atomicOr(bits + (e >> 5), 1u << (e & 31));  // others: ignored
   }

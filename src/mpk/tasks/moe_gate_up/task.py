@@ -146,7 +146,8 @@ class MoeGateUp(TaskKind):
         # every task writes its range of one pair in every step, and a reader that saw every
         # word saw every task's writes (compiler/flags.py's premise). At batch > 1 a slot past
         # the step's distinct experts writes nothing, and a reader's polls would not cover it.
-        return frozenset({"out"}) if _flaggable(op) else frozenset()
+        # The ids are polled at batch 1 (moe_router writes them as words there).
+        return frozenset({"out", "expert_ids"}) if _flaggable(op) else frozenset()
 
     def reference(self, tile: Tile) -> None:
         weight = tile["weight"]  # whole [E, 2, I, H]
