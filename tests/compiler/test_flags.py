@@ -165,12 +165,17 @@ def test_moe_experts_poll_the_ids_and_activations_at_batch_1(batch: int) -> None
                 on_router = [w for w, (c, _, prev) in enumerate(waits)
                              if not prev and c in router]
                 assert on_router and not any(mask >> w & 1 for w in on_router), (waits, mask)
+        post_norm = {c for rec in recs[p + "post_norm"] for c in record.decode_signals(rec)}
         for rec in recs[p + "experts_gate_up"]:
             waits = record.decode_waits(rec)
             mask = int(rec[record.POLLED]) & ~record.POLLS
             on_router = [w for w, (c, _, prev) in enumerate(waits) if not prev and c in router]
             assert on_router, waits
             assert all((mask >> w & 1) == (batch == 1) for w in on_router), (waits, mask)
+            # gate_up stages x (the norm's plain output) before it polls the ids: sound only
+            # while its wait on the norm stays counted (moe_gate_up.flag_operands)
+            on_norm = [w for w, (c, _, prev) in enumerate(waits) if not prev and c in post_norm]
+            assert on_norm and not any(mask >> w & 1 for w in on_norm), (waits, mask)
         ids = (1, 0) if batch == 1 else None
         assert _entries(plan, p + "router").get("expert_ids") == ids
         assert _entries(plan, p + "experts_gate_up").get("expert_ids") == ids

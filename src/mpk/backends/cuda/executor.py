@@ -231,7 +231,8 @@ class CudaExecutor:
     # ---- extras ----------------------------------------------------------------------------
     def tensor(self, name: str) -> torch.Tensor:
         """The device tensor behind `name` (bound tensor or arena view), no copy; a flagged
-        activation's is its int64 words [..., N/2] (read() gives the values)."""
+        activation's is its int64 words ([..., N/2] for bf16 pairs, [..., N] for int32; read()
+        gives the values)."""
         tid, spec = self._lookup(name)
         if tid in self._bound:
             return self._bound[tid]

@@ -5,12 +5,13 @@
 // Layouts: x [B, H], expert_ids [B, K], weight [E, 2, I, H] are whole (operand = tensor start);
 // out [B, K, I] is addressed from its base: pair i = b*K + j, element n at out + i*I + n.
 // Flagged out (batch 1 only, task.py flag_operands; common/flags.cuh): word (i*I + n) / 2 holds
-// columns n, n + 1 (n even) of pair i and its epoch. The range's outputs of the slot's pair are
-// gathered in ys and stored as whole words once every warp is done (after all of the task's
-// reads: compiler/flags.py's contract), so moe_down polls them instead of waiting on a counter.
+// columns n, n + 1 (n even) of pair i and its epoch. The range's outputs of the slot's pairs
+// (one, unless the row names the expert twice) are gathered in ys and stored as whole words once
+// every warp is done (after all of the task's reads: compiler/flags.py's contract), so moe_down
+// polls them instead of waiting on a counter.
 // Shared scratch (task.py scratch_bytes): [bits: 16 u32][ids: B*K i32] [pairs: B*K i32][npairs]
 // [xrow: kMaxPairs i32] ... at HEADER_BYTES: [xs: up to min(B, kMaxPairs) rows of x, H bf16]
-// [ys (flagged out): the range's outputs of one pair, bf16, at a 16-byte boundary].
+// [ys (flagged out): the range's outputs of up to K pairs, bf16, at a 16-byte boundary].
 //
 // 0. At batch <= kMaxPairs every x row is staged (cp.async, L2) before anything else, in place:
 //    its round trip runs under the ids' (a pair finds its row in xrow).
@@ -107,7 +108,7 @@ __device__ __forceinline__ void rows(const bf16* wgate, long long up_off, unsign
         if (lane == p) {
           const bf16 y = dev::to_bf16(dev::silu_mul_f32(dev::round_bf16(gs), dev::round_bf16(us)));
           if (ys == nullptr) out[(long long)pairs[p] * I + n] = y;
-          else if (p == 0) ys[n - lo] = y;  // flagged (batch 1): ys holds one pair
+          else ys[p * (hi - lo) + (n - lo)] = y;  // flagged (batch 1): p < np <= K
         }
       }
     }
@@ -228,13 +229,16 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   dev::cp_async_wait_all();
   if (out_ep != 0u) {
     mpk::task_sync();  // every warp's outputs are in ys, and every read of the task is done
-    // Batch 1: one pair. Corrupt ids (none of the slot's expert, or the same id twice) leave
-    // some words unstored: moe_down's poll of them times out and the storer reports it.
+    // Batch 1: the slot's np <= K pairs (one group). An id outside [0, E) leaves some words
+    // unstored: moe_down's poll of them times out and the storer reports it.
     dev::flag_word* words = reinterpret_cast<dev::flag_word*>(out);
     const uint32_t* ypairs = reinterpret_cast<const uint32_t*>(ys);
-    for (int c = tid; c < min(np, 1) * (hi - lo) / 2; c += NUM_THREADS)
-      dev::st_flag(words + ((long long)pairs[0] * I + lo) / 2 + c,
+    const int per = (hi - lo) / 2;  // words of a pair's range (lo, hi, I even)
+    for (int c = tid; c < np * per; c += NUM_THREADS) {
+      const int p = c / per;
+      dev::st_flag(words + ((long long)pairs[p] * I + lo) / 2 + (c - p * per),
                    dev::make_flag_word(ypairs[c], out_ep));
+    }
   }
 }
 
