@@ -50,6 +50,18 @@ def _entries(plan, op_name: str) -> dict[str, tuple[int, int]]:
     return out
 
 
+def _signals(recs) -> set[int]:
+    """The counters the records signal."""
+    return {c for rec in recs for c in record.decode_signals(rec)}
+
+
+def _polled_waits(rec, counters: set[int]) -> list[bool]:
+    """For each same-step wait of `rec` on one of `counters`: is it polled (record.POLLED)?"""
+    mask = int(rec[record.POLLED]) & ~record.POLLS
+    return [bool(mask >> w & 1) for w, (c, _, prev) in enumerate(record.decode_waits(rec))
+            if not prev and c in counters]
+
+
 def test_dense_model_flags_the_residual_stream_and_the_layer_activations() -> None:
     # Long contexts: the KV range is split, and the last split writes attn (its S tasks' equal
     # out boxes count once: covers_whole).
@@ -146,8 +158,8 @@ def test_moe_experts_poll_the_ids_and_activations_at_batch_1(batch: int) -> None
     recs = _records_by_op(plan)
     for layer in moe_layers:
         p = f"layers.{layer}."
-        gate_up = {c for rec in recs[p + "experts_gate_up"] for c in record.decode_signals(rec)}
-        router = {c for rec in recs[p + "router"] for c in record.decode_signals(rec)}
+        gate_up, router, norm = (_signals(recs[p + name])
+                                 for name in ("experts_gate_up", "router", "post_norm"))
         if batch == 1:
             assert _entries(plan, p + "experts_gate_up")["out"] == (1, 0)
             assert _entries(plan, p + "experts_down")["x"] == (1, 0)
@@ -155,27 +167,19 @@ def test_moe_experts_poll_the_ids_and_activations_at_batch_1(batch: int) -> None
             assert "out" not in _entries(plan, p + "experts_gate_up")
             assert "x" not in _entries(plan, p + "experts_down")
         for rec in recs[p + "experts_down"]:
-            waits = record.decode_waits(rec)
-            mask = int(rec[record.POLLED]) & ~record.POLLS
-            on_gate_up = [w for w, (c, _, prev) in enumerate(waits) if not prev and c in gate_up]
-            assert on_gate_up, waits
-            assert all((mask >> w & 1) == (batch == 1) for w in on_gate_up), (waits, mask)
+            on_gate_up = _polled_waits(rec, gate_up)
+            assert on_gate_up and all(w == (batch == 1) for w in on_gate_up), rec
             if batch == 1:  # the router writes ids as words and its weights plainly: the
                 # routing weights' readers keep a counted wait (flags.counted_edges)
-                on_router = [w for w, (c, _, prev) in enumerate(waits)
-                             if not prev and c in router]
-                assert on_router and not any(mask >> w & 1 for w in on_router), (waits, mask)
-        post_norm = {c for rec in recs[p + "post_norm"] for c in record.decode_signals(rec)}
+                on_router = _polled_waits(rec, router)
+                assert on_router and not any(on_router), rec
         for rec in recs[p + "experts_gate_up"]:
-            waits = record.decode_waits(rec)
-            mask = int(rec[record.POLLED]) & ~record.POLLS
-            on_router = [w for w, (c, _, prev) in enumerate(waits) if not prev and c in router]
-            assert on_router, waits
-            assert all((mask >> w & 1) == (batch == 1) for w in on_router), (waits, mask)
+            on_router = _polled_waits(rec, router)
+            assert on_router and all(w == (batch == 1) for w in on_router), rec
             # gate_up stages x (the norm's plain output) before it polls the ids: sound only
             # while its wait on the norm stays counted (moe_gate_up.flag_operands)
-            on_norm = [w for w, (c, _, prev) in enumerate(waits) if not prev and c in post_norm]
-            assert on_norm and not any(mask >> w & 1 for w in on_norm), (waits, mask)
+            on_norm = _polled_waits(rec, norm)
+            assert on_norm and not any(on_norm), rec
         ids = (1, 0) if batch == 1 else None
         assert _entries(plan, p + "router").get("expert_ids") == ids
         assert _entries(plan, p + "experts_gate_up").get("expert_ids") == ids
