@@ -108,7 +108,7 @@ __device__ __forceinline__ void rows(const bf16* wgate, long long up_off, unsign
         if (lane == p) {
           const bf16 y = dev::to_bf16(dev::silu_mul_f32(dev::round_bf16(gs), dev::round_bf16(us)));
           if (ys == nullptr) out[(long long)pairs[p] * I + n] = y;
-          else ys[p * (hi - lo) + (n - lo)] = y;  // flagged (batch 1): p < np <= K
+          else ys[p * (hi - lo) + (n - lo)] = y;  // flagged (batch 1): the group's part of ys
         }
       }
     }
@@ -215,14 +215,17 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
     mpk::task_sync();
     const unsigned xa = dev::smem_addr(xs);
     const long long up_off = (long long)I * H;
+    // rows() numbers the group's pairs from 0: its outputs go after the earlier groups' (at
+    // batch 1 a group is one pair, so a repeated expert's second pair is a second group)
+    bf16* ysg = ys == nullptr ? nullptr : ys + g0 * (hi - lo);
     if (ng == 1)
-      rows<1>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, xrow, out, ys);
+      rows<1>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, xrow, out, ysg);
     else if (ng == 2)
-      rows<2>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, xrow, out, ys);
+      rows<2>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, xrow, out, ysg);
     else if (ng <= 4)
-      rows<4>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, xrow, out, ys);
+      rows<4>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, xrow, out, ysg);
     else
-      rows<kMaxPairs>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, xrow, out, ys);
+      rows<kMaxPairs>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, xrow, out, ysg);
   }
   // An unused slot (no pairs) must not return with its direct copies still landing in a.smem,
   // which the SM's next task owns.
