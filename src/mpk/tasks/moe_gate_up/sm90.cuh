@@ -16,8 +16,9 @@
 // 0. At batch <= kMaxPairs every x row is staged (cp.async, L2) before anything else, in place:
 //    its round trip runs under the ids' (a pair finds its row in xrow).
 // 1. The ids (an activation: L2 loads; at batch 1 flagged words, polled: moe_router) go to
-//    shared memory and set one bit per valid expert in a 512-bit map; every thread finds the slot's expert (the u-th set bit) itself. A slot past the
-//    number of distinct experts has no pairs and does nothing more.
+//    shared memory and set one bit per valid expert in a 512-bit map; every thread finds the
+//    slot's expert (the u-th set bit) itself. A slot past the number of distinct experts has no
+//    pairs and does nothing more.
 // 2. Warp 0 lists the pairs i = b*K + j with ids[i] == expert (a ballot per 32 ids).
 // 3. Pairs in groups of up to kMaxPairs: the group's x rows are staged (larger batches), then
 //    warp w takes rows n = lo + w, lo + w + 8, ... of the range: each lane keeps kV 16-byte
