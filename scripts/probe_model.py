@@ -326,9 +326,9 @@ PATCHES["moe_gu_pf"] = {"moe_gate_up/sm90.cuh": [(GU_PAIRS, (
     + PF_PIECES.format(body="      mpk::ptx::prefetch_l2_bulk(pg + o, n);\n"
                             "      mpk::ptx::prefetch_l2_bulk(pg + pup + o, n);\n")
     + "  }\n" + GU_PAIRS))]}
-DOWN_IDS = "    ws[i] = dev::ld_act_bf16f(gws + i);\n  }\n"
+DOWN_IDS = "    ws[i] = i == tid ? first_w : dev::ld_act_bf16f(gws + i);\n  }\n"
 PATCHES["moe_down_pf"] = {"moe_down/sm90.cuh": [(DOWN_IDS, (
-    "    ws[i] = dev::ld_act_bf16f(gws + i);\n"
+    "    ws[i] = i == tid ? first_w : dev::ld_act_bf16f(gws + i);\n"
     "    const int pe = ids[i];  // probe moe_down_pf\n"
     "    if (0 <= pe && pe < E && hi > lo) {\n"
     "    const char* pw = reinterpret_cast<const char*>(weight + ((long long)pe * H + lo) * I);\n"

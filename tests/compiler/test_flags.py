@@ -50,6 +50,18 @@ def _entries(plan, op_name: str) -> dict[str, tuple[int, int]]:
     return out
 
 
+def _signals(recs) -> set[int]:
+    """The counters the records signal."""
+    return {c for rec in recs for c in record.decode_signals(rec)}
+
+
+def _polled_waits(rec, counters: set[int]) -> list[bool]:
+    """For each same-step wait of `rec` on one of `counters`: is it polled (record.POLLED)?"""
+    mask = int(rec[record.POLLED]) & ~record.POLLS
+    return [bool(mask >> w & 1) for w, (c, _, prev) in enumerate(record.decode_waits(rec))
+            if not prev and c in counters]
+
+
 def test_dense_model_flags_the_residual_stream_and_the_layer_activations() -> None:
     # Long contexts: the KV range is split, and the last split writes attn (its S tasks' equal
     # out boxes count once: covers_whole).
@@ -119,13 +131,59 @@ def test_epoch_is_never_zero_nor_all_ones() -> None:
         flags.encode_entry(0, 4, 4)
 
 
-def test_tensors_touched_by_kinds_without_the_flagged_form_stay_plain() -> None:
-    _, plan = _plan("tiny-qwen3-moe")
+@pytest.mark.parametrize("batch", [1, 2])
+def test_tensors_touched_by_kinds_without_the_flagged_form_stay_plain(batch: int) -> None:
+    _, plan = _plan("tiny-qwen3-moe", batch=batch)
     flagged = {t.name for t in plan.tensors if t.flagged}
-    # moe_gate_up reads the norm's output and writes the experts' activations plainly; the ids
-    # are int32 (the flagged form is bf16 pairs)
-    for name in ("mlp_norm", "expert_act", "expert_ids", "expert_weights"):
+    # moe_gate_up reads the norm's output plainly; moe_router writes the routing weights
+    # plainly; the ids (int32 words) and the experts' activations are flagged at batch 1 only
+    for name in ("mlp_norm", "expert_weights"):
         assert f"layers.0.{name}" not in flagged, name
+    for name in ("expert_act", "expert_ids"):
+        assert (f"layers.0.{name}" in flagged) == (batch == 1), name
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_moe_experts_poll_the_ids_and_activations_at_batch_1(batch: int) -> None:
+    """At batch 1 every moe_gate_up task writes its range of one pair in every step (the K slots
+    and the row's K distinct experts pair one to one), so moe_down, which polls every word of
+    expert_act, skips its counted wait on gate_up. At batch > 1 a slot past the step's distinct
+    experts writes nothing, so the activations stay plain and the wait counted. Likewise
+    moe_gate_up polls the router's ids (int32 words) at batch 1 and skips its wait on the
+    router; moe_down keeps its wait on the router, whose routing weights it reads plainly."""
+    cfg, plan = _plan("tiny-qwen3-moe", batch=batch)
+    moe_layers = [i for i in range(cfg.num_layers)
+                  if f"layers.{i}.expert_act" in {t.name for t in plan.tensors}]
+    assert moe_layers
+    recs = _records_by_op(plan)
+    for layer in moe_layers:
+        p = f"layers.{layer}."
+        gate_up, router, norm = (_signals(recs[p + name])
+                                 for name in ("experts_gate_up", "router", "post_norm"))
+        if batch == 1:
+            assert _entries(plan, p + "experts_gate_up")["out"] == (1, 0)
+            assert _entries(plan, p + "experts_down")["x"] == (1, 0)
+        else:
+            assert "out" not in _entries(plan, p + "experts_gate_up")
+            assert "x" not in _entries(plan, p + "experts_down")
+        for rec in recs[p + "experts_down"]:
+            on_gate_up = _polled_waits(rec, gate_up)
+            assert on_gate_up and all(w == (batch == 1) for w in on_gate_up), rec
+            if batch == 1:  # the router writes ids as words and its weights plainly: the
+                # routing weights' readers keep a counted wait (flags.counted_edges)
+                on_router = _polled_waits(rec, router)
+                assert on_router and not any(on_router), rec
+        for rec in recs[p + "experts_gate_up"]:
+            on_router = _polled_waits(rec, router)
+            assert on_router and all(w == (batch == 1) for w in on_router), rec
+            # gate_up stages x (the norm's plain output) before it polls the ids: sound only
+            # while its wait on the norm stays counted (moe_gate_up.flag_operands)
+            on_norm = _polled_waits(rec, norm)
+            assert on_norm and not any(on_norm), rec
+        ids = (1, 0) if batch == 1 else None
+        assert _entries(plan, p + "router").get("expert_ids") == ids
+        assert _entries(plan, p + "experts_gate_up").get("expert_ids") == ids
+        assert _entries(plan, p + "experts_down").get("expert_ids") == ids
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -160,7 +218,7 @@ def test_the_router_polls_its_gate_logits(batch: int) -> None:
     for layer in moe_layers:
         p = f"layers.{layer}."
         assert p + "router_logits" in flagged
-        assert _entries(plan, p + "router") == {"logits": (1, 0)}
+        assert _entries(plan, p + "router")["logits"] == (1, 0)
         assert _entries(plan, p + "router_gate")["out"] == (1, 0)
         for rec in _records_by_op(plan)[p + "router"]:
             waits = record.decode_waits(rec)
@@ -169,7 +227,10 @@ def test_the_router_polls_its_gate_logits(batch: int) -> None:
             mask = word & ~record.POLLS
             # One row: the router sees every word each gate task wrote, so its wait on the gate
             # goes; a row of several sees only its own row of each task's columns: counted.
-            assert mask == ((1 << len(waits)) - 1 if batch == 1 else 0), (waits, mask)
+            # (A previous-step wait is never polled: at batch 1 the router waits for its own
+            # last step, whose routing weights, written plainly, it overwrites.)
+            same_step = sum(1 << w for w, (_, _, prev) in enumerate(waits) if not prev)
+            assert same_step and mask == (same_step if batch == 1 else 0), (waits, mask)
 
 
 @pytest.mark.parametrize(("rows", "hidden", "polled"),

@@ -162,6 +162,22 @@ def test_gate_up(b, h, inter, e, k, tiles, same) -> None:
     assert_close(cpu["act"], gpu["act"], "expert_act")
 
 
+def test_gate_up_row_naming_an_expert_twice() -> None:
+    """Batch 1, where the out is flagged, with an id repeated (only tests write such rows:
+    moe_router's top-k never repeats an expert): the slot of the repeated expert computes both
+    of its pairs and stores both ranges' words, the unused slot none."""
+    g = gen(7)
+    graph = Graph()
+    graph.add_tensor("x", (1, 256), BF16, Role.IO)
+    graph.add_tensor("ids", (1, 3), I32, Role.IO)
+    add_gate_up(graph, "", 1, 10, 3, 40, 3, "x", "ids")
+    inputs = {"x": torch.randn(1, 256, generator=g).bfloat16(),
+              "ids": torch.tensor([[4, 7, 4]], dtype=torch.int32),
+              "w13": expert_weights(10, 256, 40, g)["w13"]}
+    cpu, gpu = run_both(graph, inputs, ["act"])
+    assert_close(cpu["act"], gpu["act"], "expert_act")
+
+
 # ---- moe_down ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("b,h,inter,e,k,tasks,same,in_place", [
     (1, H30, I30, E30, K30, 132, False, True),   # qwen3-30b-a3b: one task per SM, in place

@@ -10,12 +10,13 @@ protocol; Mirage's megakernel library picks "data as flag" per edge for the same
 Device format (the CPU interpreter keeps plain tensors): a flagged bf16 tensor [..., N] is
 stored as u64 words [..., N/2], each a bf16 pair (n even, n + 1) in the low 32 bits and the
 epoch of its write in the high 32, written and read as single 64-bit accesses (single-copy
-atomic), so a reader never sees a pair without its epoch. The epoch of write w (0-based, in
-program order) of a tensor written W times a step, in global step g, is (g * W + w) mod 2^31 + 1:
-never 0 (a zeroed arena) nor 0xFFFFFFFF (a poisoned one).
+atomic), so a reader never sees a pair without its epoch. A flagged int32 tensor (the router's
+expert ids) is stored as words [..., N], one value in the low 32 bits of each. The epoch of write
+w (0-based, in program order) of a tensor written W times a step, in global step g, is
+(g * W + w) mod 2^31 + 1: never 0 (a zeroed arena) nor 0xFFFFFFFF (a poisoned one).
 
-A tensor is flagged when it is a bf16 ACTIVATION with an even last dim and at most
-FLAG_MAX_BYTES, every op that touches it does so through an operand its kind lists in
+A tensor is flagged when it is an ACTIVATION of at most FLAG_MAX_BYTES, bf16 with an even last
+dim or int32, every op that touches it does so through an operand its kind lists in
 TaskKind.flag_operands (pure reads or pure writes), every write covers the whole tensor, and
 every read follows a write of the same step.
 
@@ -89,6 +90,11 @@ def epoch(entry: int, step: int) -> int:
     return (step * writes + index) % (1 << 31) + 1
 
 
+def words_per_row(dtype: DType, last_dim: int) -> int:
+    """u64 words of one row (last dim) of a flagged tensor: bf16 pairs, or one int32 each."""
+    return last_dim if dtype is DType.I32 else last_dim // 2
+
+
 def flagged_tensors(graph: Graph, ops: list[TiledOp]) -> frozenset[str]:
     capable = {op.index: op.kind.flag_operands(op.view) for op in ops}
     return _flagged_tensors(graph, ops, capable)
@@ -134,8 +140,9 @@ def _flagged_tensors(graph: Graph, ops: list[TiledOp],
     chosen = set()
     for name, accs in accessors.items():
         spec = graph.tensors[name]
-        if (spec.role is not Role.ACTIVATION or spec.dtype is not DType.BF16
-                or spec.shape[-1] % 2 or spec.nbytes > FLAG_MAX_BYTES):
+        if spec.role is not Role.ACTIVATION or spec.nbytes > FLAG_MAX_BYTES or not (
+                (spec.dtype is DType.BF16 and spec.shape[-1] % 2 == 0)
+                or spec.dtype is DType.I32):
             continue
         if any(acc.operand not in capable[op.index] or acc.access is Access.READ_WRITE
                for op, acc in accs):

@@ -31,7 +31,8 @@ class PlanTensor:
     role: str  # Role value
     offset: int  # byte offset in the arena, -1 for attached tensors
     # Stored in the flagged form on the GPU (compiler/flags.py): u64 words [..., N/2] of a bf16
-    # pair and its write's epoch, twice the bytes. Backends that do not poll ignore it.
+    # pair (or [..., N] of an int32) and its write's epoch, twice the bytes. Backends that do not
+    # poll ignore it.
     flagged: bool = False
 
     @property

@@ -3,8 +3,9 @@
 Device state (all torch allocations on the executor's device):
   arena       uint8 [arena_bytes]; ACTIVATION tensors are views into it (0xFF-poisoned on request,
               i.e. NaN for bf16/f32, so a read-before-write shows up); a flagged one
-              (compiler/flags.py) is u64 words [..., N/2] of a bf16 pair and its epoch, which
-              read() strips and write() refuses (only the kernel writes epochs);
+              (compiler/flags.py) is u64 words [..., N/2] of a bf16 pair (or [..., N] of an
+              int32) and its epoch, which read() strips and write() refuses (only the kernel
+              writes epochs);
   counters    int64 [num_counters], zero once and then monotonic (backends/base.py);
   error/abort the watchdog's report (codegen.ERROR_FIELDS) and the stop-everyone flag;
   instrs, lengths, op_params: uploaded once;
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from mpk import env
-from mpk.compiler import record
+from mpk.compiler import flags, record
 from mpk.compiler.plan import Plan, PlanTensor
 from mpk.dtypes import DType
 from mpk.errors import KernelHangError, MpkError, UnsupportedError
@@ -153,9 +154,9 @@ class CudaExecutor:
 
     def read(self, name: str) -> torch.Tensor:
         spec = self._lookup(name)[1]
-        if spec.flagged:  # the low 32 bits of each word: the bf16 pair
-            pairs = (self.tensor(name) & 0xFFFFFFFF).to(torch.int32)
-            return pairs.view(torch.bfloat16).reshape(spec.shape).to("cpu", copy=True)
+        if spec.flagged:  # the low 32 bits of each word: a bf16 pair or an int32
+            low = (self.tensor(name) & 0xFFFFFFFF).to(torch.int32)
+            return low.view(DType(spec.dtype).torch).reshape(spec.shape).to("cpu", copy=True)
         return self.tensor(name).detach().to("cpu", copy=True)
 
     def run(self, num_steps: int = 1) -> None:
@@ -230,7 +231,8 @@ class CudaExecutor:
     # ---- extras ----------------------------------------------------------------------------
     def tensor(self, name: str) -> torch.Tensor:
         """The device tensor behind `name` (bound tensor or arena view), no copy; a flagged
-        activation's is its int64 words [..., N/2] (read() gives the values)."""
+        activation's is its int64 words ([..., N/2] for bf16 pairs, [..., N] for int32; read()
+        gives the values)."""
         tid, spec = self._lookup(name)
         if tid in self._bound:
             return self._bound[tid]
@@ -260,7 +262,8 @@ class CudaExecutor:
                            f"misaligned or outside the arena ({self.plan.arena_bytes} bytes)")
         raw = self.arena[t.offset:t.offset + nbytes]
         if t.flagged:
-            return raw.view(torch.int64).view(*t.shape[:-1], t.shape[-1] // 2)
+            words = flags.words_per_row(DType(t.dtype), t.shape[-1])
+            return raw.view(torch.int64).view(*t.shape[:-1], words)
         return raw.view(DType(t.dtype).torch).view(t.shape)
 
     def _stream(self, op_index: int) -> torch.Tensor:

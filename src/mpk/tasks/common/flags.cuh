@@ -9,6 +9,8 @@
 #pragma once
 #include <stdint.h>
 
+#include "memory.cuh"
+
 namespace mpk::dev {
 
 using flag_word = unsigned long long;
@@ -33,13 +35,14 @@ __device__ __forceinline__ uint32_t flag_epoch(const mpk::TaskArgs& a, int slot)
   return 0u;
 }
 
-// A flagged operand's tile as words: the record's tile offset counts elements, two a word (the
-// offsets of flagged tiles are even), where TaskArgs::operand would count it in T.
-template <class W>
+// A flagged operand's tile as words: the record's tile offset counts elements, kPerWord a word
+// (bf16: two, and the offsets of flagged tiles are even; int32: one), where TaskArgs::operand
+// would count it in T.
+template <class W, int kPerWord = 2>
 __device__ __forceinline__ W* flag_operand(const mpk::TaskArgs& a, int slot) {
   if (!a.has(slot)) return nullptr;
   const long long off = a.operand<const char>(slot) - reinterpret_cast<const char*>(a.base[slot]);
-  return reinterpret_cast<W*>(a.base[slot]) + off / 2;
+  return reinterpret_cast<W*>(a.base[slot]) + off / kPerWord;
 }
 
 __device__ __forceinline__ flag_word make_flag_word(uint32_t pair, uint32_t epoch) {
@@ -92,11 +95,66 @@ __device__ __forceinline__ uint4 poll8(const flag_word* p, uint32_t epoch, const
   return make_uint4(word_pair(w0), word_pair(w1), word_pair(w2), word_pair(w3));
 }
 
+// Vectors 0 .. n-1 of a flagged tensor (vector v: the four words at words + 4v, eight bf16) into
+// dst (16-byte aligned, natural order), each thread's kN vectors of a round loaded together and
+// only those whose words do not all carry `epoch` yet loaded again (one vector at a time pays an
+// L2 round trip each: perf-log, fourteenth session).
+template <int kN>
+__device__ __forceinline__ void poll_vectors(uint4* dst, const flag_word* words, uint32_t epoch,
+                                             int n, const Poll& poll) {
+  for (int base = threadIdx.x; base < n; base += kN * NUM_THREADS) {
+    unsigned pending = 0u;  // bit j: vector base + j * NUM_THREADS is real and not yet in
+#pragma unroll
+    for (int j = 0; j < kN; ++j)
+      if (base + j * NUM_THREADS < n) pending |= 1u << j;
+    const unsigned real = pending;
+    flag_word w[kN][4] = {};
+    for (;;) {
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+        if ((pending >> j) & 1u) {
+          const flag_word* p = words + 4ll * (base + j * NUM_THREADS);
+          ld_flag2(p, w[j][0], w[j][1]);
+          ld_flag2(p + 2, w[j][2], w[j][3]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kN; ++j)
+        if (word_epoch(w[j][0]) == epoch && word_epoch(w[j][1]) == epoch &&
+            word_epoch(w[j][2]) == epoch && word_epoch(w[j][3]) == epoch)
+          pending &= ~(1u << j);
+      if (pending == 0u || !poll.again()) break;
+    }
+#pragma unroll
+    for (int j = 0; j < kN; ++j)
+      if ((real >> j) & 1u)
+        dst[base + j * NUM_THREADS] = make_uint4(word_pair(w[j][0]), word_pair(w[j][1]),
+                                                 word_pair(w[j][2]), word_pair(w[j][3]));
+  }
+}
+
 // One word expected to carry `epoch` (already loaded into w: reloaded until it does).
 __device__ __forceinline__ uint32_t poll_word(const flag_word* p, flag_word w, uint32_t epoch,
                                               const Poll& poll) {
   while (word_epoch(w) != epoch && poll.again()) w = ld_flag(p);
   return word_pair(w);
+}
+
+// Element i of an int32 activation that is flagged when epoch != 0 (words: one value each) and
+// plain otherwise (an L2-coherent load), in two halves so that other loads can go out between
+// them: ld_i32_word issues the load (a plain value comes as a word of epoch 0), i32_of waits for
+// it, polling a flagged word until it carries `epoch`.
+__device__ __forceinline__ flag_word ld_i32_word(const int* plain, const flag_word* words,
+                                                 uint32_t epoch, int i) {
+  if (epoch == 0u) return make_flag_word(static_cast<uint32_t>(ld_act_i32(plain + i)), 0u);
+  return ld_flag(words + i);
+}
+__device__ __forceinline__ int i32_of(const flag_word* words, flag_word w, uint32_t epoch, int i) {
+  return static_cast<int>(poll_word(words + i, w, epoch, Poll{}));  // epoch 0: w is the value
+}
+__device__ __forceinline__ int ld_i32_maybe_flagged(const int* plain, const flag_word* words,
+                                                    uint32_t epoch, int i) {
+  return i32_of(words, ld_i32_word(plain, words, epoch, i), epoch, i);
 }
 
 }  // namespace mpk::dev

@@ -10,7 +10,9 @@
 // columns n, n + 1 (n even) and its epoch. The residual's words are polled (long since written
 // by o_proj); a flagged out is gathered in ys and stored as whole words once every row's range
 // is done (the warps that compute a word's two columns differ; the stores follow all the task's
-// reads, as compiler/flags.py's contract asks).
+// reads, as compiler/flags.py's contract asks). A flagged x (batch 1: moe_gate_up's gathered
+// words) is polled into xs under the ids' loads: the task starts when its SM is free, not when
+// the last gate_up task has signalled (the compiler lets that counted wait go).
 // Shared scratch (task.py scratch_bytes): [ids: B*K i32] [weights: B*K f32] ... at HEADER_BYTES:
 // [xs: K x I bf16, batch row b's expert activations] [ys: B x (hi - lo) outputs, bf16, at a
 // 16-byte boundary].
@@ -43,6 +45,7 @@ constexpr int kJ = 8;          // slots per group
 constexpr int kV = 3;          // vectors per slot row in flight per lane
 constexpr int kAlign = 8;      // task.py ALIGN
 constexpr int kHeader = 2048;  // task.py HEADER_BYTES
+constexpr int kPollVecs = 3;   // a flagged x's vectors in flight a thread (qwen3-30b-a3b: 768)
 
 struct Row {  // batch row b, as this task sees it
   const bf16* w;   // weight [E, H, I]
@@ -222,6 +225,10 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   const Hidden hid{reinterpret_cast<const bf16*>(a.base[O_RESIDUAL]),
                    reinterpret_cast<bf16*>(a.base[O_OUT]), dev::flag_epoch<FLAGGED>(a, O_RESIDUAL),
                    dev::flag_epoch<FLAGGED>(a, O_OUT)};
+  const uint32_t x_ep = dev::flag_epoch<FLAGGED>(a, O_X);  // batch 1 only (task.py)
+  const dev::flag_word* xwords = dev::flag_operand<const dev::flag_word>(a, O_X);
+  const uint32_t ids_ep = dev::flag_epoch<FLAGGED>(a, O_EXPERT_IDS);  // batch 1 (task.py)
+  const dev::flag_word* id_words = dev::flag_operand<const dev::flag_word, 1>(a, O_EXPERT_IDS);
   // Nothing below reads `a`: its slot pointer is one of the values the all-kinds build keeps in
   // local memory, and every late read of it is a reload (ptxas spill loads).
   const int BK = B * K, tid = threadIdx.x, lane = tid & 31;
@@ -232,10 +239,18 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   bf16* ys = reinterpret_cast<bf16*>(a.smem + kHeader + ((K * I * 2 + 15) & ~15));
   // Row 0's activations are asked for before the ids and routing weights: a thread's store of
   // an id waits for its load, which would hold its copies back by one L2 round trip.
-  stage_row(xs, x, 0, kvpr);
+  // A flagged x is polled with the first ids' loads in flight (their stores, and the polls of
+  // flagged ids, come after it).
+  if (x_ep == 0u) stage_row(xs, x, 0, kvpr);
+  const dev::flag_word first_word =
+      tid < BK ? dev::ld_i32_word(gids, id_words, ids_ep, tid) : 0ull;
+  const float first_w = tid < BK ? dev::ld_act_bf16f(gws + tid) : 0.f;
+  if (x_ep != 0u)
+    dev::poll_vectors<kPollVecs>(reinterpret_cast<uint4*>(xs), xwords, x_ep, kvpr, dev::Poll{});
   for (int i = tid; i < BK; i += NUM_THREADS) {  // activations: L2 loads
-    ids[i] = dev::ld_act_i32(gids + i);
-    ws[i] = dev::ld_act_bf16f(gws + i);
+    ids[i] = i == tid ? dev::i32_of(id_words, first_word, ids_ep, i)
+                      : dev::ld_i32_maybe_flagged(gids, id_words, ids_ep, i);
+    ws[i] = i == tid ? first_w : dev::ld_act_bf16f(gws + i);
   }
   Row r{weight, ids, ws, dev::smem_addr(xs), H, I, E, K};
 #pragma unroll 1
@@ -245,7 +260,7 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
       stage_row(xs, x, b, kvpr);
     }
     dev::cp_async_wait_all();
-    mpk::task_sync();  // also publishes ids / ws (first row)
+    mpk::task_sync();  // also publishes ids / ws (first row) and a polled x
     r.ids = ids + b * K;
     r.ws = ws + b * K;
     outputs(r, hid, ys + b * (hi - lo), b, lo + (tid >> 5), lo, hi, lane);

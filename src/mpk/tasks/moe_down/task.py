@@ -119,8 +119,11 @@ class MoeDown(TaskKind):
         # sm90.cuh: the residual's words are polled; out's are stored whole from ys once every
         # row's range is done, after every read of the task's inputs (x, the routing and the
         # residual words, read before the barrier in front of the stores). Only where
-        # scratch_bytes reserved ys.
-        return frozenset({"residual", "out"}) if _flaggable(op) else frozenset()
+        # scratch_bytes reserved ys. x's words are polled at batch 1 (where moe_gate_up writes
+        # them: its flag_operands) under the first ids' loads, before any weight load.
+        # The ids are polled at batch 1 too (moe_router writes them as words there).
+        hidden = frozenset({"residual", "out"}) if _flaggable(op) else frozenset()
+        return hidden | {"x", "expert_ids"} if op.shape("x")[0] == 1 else hidden
 
     def reference(self, tile: Tile) -> None:
         weight = tile["weight"]  # whole [E, H, I]

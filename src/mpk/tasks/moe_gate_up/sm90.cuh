@@ -4,15 +4,21 @@
 //
 // Layouts: x [B, H], expert_ids [B, K], weight [E, 2, I, H] are whole (operand = tensor start);
 // out [B, K, I] is addressed from its base: pair i = b*K + j, element n at out + i*I + n.
-// Shared scratch (task.py HEADER_BYTES + min(B, MAX_PAIRS) rows): [bits: 16 u32][ids: B*K i32]
-// [pairs: B*K i32][npairs][xrow: kMaxPairs i32] ... at HEADER_BYTES: [xs: up to min(B,
-// kMaxPairs) rows of x, H bf16].
+// Flagged out (batch 1 only, task.py flag_operands; common/flags.cuh): word (i*I + n) / 2 holds
+// columns n, n + 1 (n even) of pair i and its epoch. The range's outputs of the slot's pairs
+// (one, unless the row names the expert twice) are gathered in ys and stored as whole words once
+// every warp is done (after all of the task's reads: compiler/flags.py's contract), so moe_down
+// polls them instead of waiting on a counter.
+// Shared scratch (task.py scratch_bytes): [bits: 16 u32][ids: B*K i32] [pairs: B*K i32][npairs]
+// [xrow: kMaxPairs i32] ... at HEADER_BYTES: [xs: up to min(B, kMaxPairs) rows of x, H bf16]
+// [ys (flagged out): the range's outputs of up to K pairs, bf16, at a 16-byte boundary].
 //
 // 0. At batch <= kMaxPairs every x row is staged (cp.async, L2) before anything else, in place:
 //    its round trip runs under the ids' (a pair finds its row in xrow).
-// 1. The ids (an activation: L2 loads) go to shared memory and set one bit per valid expert in a
-//    512-bit map; every thread finds the slot's expert (the u-th set bit) itself. A slot past the
-//    number of distinct experts has no pairs and does nothing more.
+// 1. The ids (an activation: L2 loads; at batch 1 flagged words, polled: moe_router) go to
+//    shared memory and set one bit per valid expert in a 512-bit map; every thread finds the
+//    slot's expert (the u-th set bit) itself. A slot past the number of distinct experts has no
+//    pairs and does nothing more.
 // 2. Warp 0 lists the pairs i = b*K + j with ids[i] == expert (a ballot per 32 ids).
 // 3. Pairs in groups of up to kMaxPairs: the group's x rows are staged (larger batches), then
 //    warp w takes rows n = lo + w, lo + w + 8, ... of the range: each lane keeps kV 16-byte
@@ -29,6 +35,7 @@
 #include <stdint.h>
 
 #include "../common/bf16.cuh"
+#include "../common/flags.cuh"
 #include "../common/memory.cuh"
 #include "../common/reduce.cuh"
 #include "../common/split.cuh"
@@ -51,7 +58,7 @@ constexpr int kHeader = 2048; // task.py HEADER_BYTES
 template <int kNp>
 __device__ __forceinline__ void rows(const bf16* wgate, long long up_off, unsigned xs, int H,
                                      int I, int lo, int hi, int ng, const int* pairs,
-                                     const int* xrow, bf16* out) {
+                                     const int* xrow, bf16* out, bf16* ys) {
   static_assert(kNp >= 1 && kNp <= kMaxPairs, "pairs per pass");
   const int lane = threadIdx.x & 31, vpr = H / 8;
   unsigned xo[kNp];  // byte offset of pair p's staged x row
@@ -99,9 +106,11 @@ __device__ __forceinline__ void rows(const bf16* wgate, long long up_off, unsign
     for (int p = 0; p < kNp; ++p) {
       if (kNp <= 2 || p < ng) {  // ng is warp-uniform: the shuffles see every lane
         const float gs = dev::warp_sum(ag[p]), us = dev::warp_sum(au[p]);
-        if (lane == p)
-          out[(long long)pairs[p] * I + n] =
-              dev::to_bf16(dev::silu_mul_f32(dev::round_bf16(gs), dev::round_bf16(us)));
+        if (lane == p) {
+          const bf16 y = dev::to_bf16(dev::silu_mul_f32(dev::round_bf16(gs), dev::round_bf16(us)));
+          if (ys == nullptr) out[(long long)pairs[p] * I + n] = y;
+          else ys[p * (hi - lo) + (n - lo)] = y;  // flagged (batch 1): the group's part of ys
+        }
       }
     }
   }
@@ -117,6 +126,9 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   const bf16* x = a.operand<const bf16>(O_X);
   const bf16* weight = a.operand<const bf16>(O_WEIGHT);
   bf16* out = reinterpret_cast<bf16*>(a.base[O_OUT]);
+  const uint32_t out_ep = dev::flag_epoch<FLAGGED>(a, O_OUT);
+  const uint32_t ids_ep = dev::flag_epoch<FLAGGED>(a, O_EXPERT_IDS);  // batch 1 (task.py)
+  const dev::flag_word* id_words = dev::flag_operand<const dev::flag_word, 1>(a, O_EXPERT_IDS);
   // Nothing below reads `a`: its slot pointer is one of the values the all-kinds build keeps in
   // local memory, and every late read of it is a reload (ptxas spill loads).
   const int BK = B * K, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -126,6 +138,9 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   int* npairs = pairs + BK;
   int* xrow = npairs + 1;  // staged x row of each pair of the group
   bf16* xs = reinterpret_cast<bf16*>(a.smem + kHeader);
+  bf16* ys = out_ep == 0u ? nullptr
+                          : reinterpret_cast<bf16*>(a.smem + kHeader +
+                                                    ((2 * min(B, kMaxPairs) * H + 15) & ~15));
   const int vpr = H / 8;
   // At most kMaxPairs rows: every row's x is staged first, in place b, so its L2 round trip
   // runs under the ids' (a pair reads row b = i / K; an expert has at most one pair a row).
@@ -138,11 +153,11 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   }
 
   // 1. the expert map and this slot's expert (the first id's load issued before the barrier)
-  const int first_id = tid < BK ? dev::ld_act_i32(gids + tid) : -1;
+  const int first_id = tid < BK ? dev::ld_i32_maybe_flagged(gids, id_words, ids_ep, tid) : -1;
   if (tid < 16) bits[tid] = 0u;
   mpk::task_sync();
   for (int i = tid; i < BK; i += NUM_THREADS) {
-    const int e = i == tid ? first_id : dev::ld_act_i32(gids + i);
+    const int e = i == tid ? first_id : dev::ld_i32_maybe_flagged(gids, id_words, ids_ep, i);
     ids[i] = e;
     if (0 <= e && e < E) atomicOr(bits + (e >> 5), 1u << (e & 31));  // others: ignored
   }
@@ -201,18 +216,34 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
     mpk::task_sync();
     const unsigned xa = dev::smem_addr(xs);
     const long long up_off = (long long)I * H;
+    // rows() numbers the group's pairs from 0: its outputs go after the earlier groups' (at
+    // batch 1 a group is one pair, so a repeated expert's second pair is a second group)
+    bf16* ysg = ys == nullptr ? nullptr : ys + g0 * (hi - lo);
     if (ng == 1)
-      rows<1>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, xrow, out);
+      rows<1>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, xrow, out, ysg);
     else if (ng == 2)
-      rows<2>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, xrow, out);
+      rows<2>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, xrow, out, ysg);
     else if (ng <= 4)
-      rows<4>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, xrow, out);
+      rows<4>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, xrow, out, ysg);
     else
-      rows<kMaxPairs>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, xrow, out);
+      rows<kMaxPairs>(wgate, up_off, xa, H, I, lo, hi, ng, pairs + g0, xrow, out, ysg);
   }
   // An unused slot (no pairs) must not return with its direct copies still landing in a.smem,
   // which the SM's next task owns.
   dev::cp_async_wait_all();
+  if (out_ep != 0u) {
+    mpk::task_sync();  // every warp's outputs are in ys, and every read of the task is done
+    // Batch 1: the slot's np <= K pairs (one group). An id outside [0, E) leaves some words
+    // unstored: moe_down's poll of them times out and the storer reports it.
+    dev::flag_word* words = reinterpret_cast<dev::flag_word*>(out);
+    const uint32_t* ypairs = reinterpret_cast<const uint32_t*>(ys);
+    const int per = (hi - lo) / 2;  // words of a pair's range (lo, hi, I even)
+    for (int c = tid; c < np * per; c += NUM_THREADS) {
+      const int p = c / per;
+      dev::st_flag(words + ((long long)pairs[p] * I + lo) / 2 + (c - p * per),
+                   dev::make_flag_word(ypairs[c], out_ep));
+    }
+  }
 }
 
 }  // namespace mpk::kinds::moe_gate_up

@@ -21,7 +21,9 @@ Weights: their address depends on expert_ids, an activation of this step, so the
 weight stream (TaskKind.stream_layout): the kernel reads the chosen experts' rows from global
 memory. Streaming them into shared-memory pages through the runtime's loader, as soon as the
 router's result is known, is later GPU work (issue 12). An id outside [0, E) (never written by
-moe_router) raises IndexError here; the kernel ignores it.
+moe_router) raises IndexError here; the kernel ignores it, except that at batch 1, where its
+out is flagged, the words of that pair are then never stored and their reader's poll times out
+(a watchdog error, not a wrong answer).
 
 The kernel (sm90.cuh): the ids set bits in a 512-bit map, the slot finds its expert (the u-th
 set bit) and lists its pairs; the pairs' x rows are staged MAX_PAIRS at a time (normally one
@@ -132,8 +134,27 @@ class MoeGateUp(TaskKind):
                 "tiles": op.grid[1]}
 
     def scratch_bytes(self, op: OpView) -> int:
+        # sm90.cuh: the header, the staged x rows, then (a flagged out, batch 1) the range of
+        # outputs of up to K pairs (a row may name an expert twice) at a 16-byte boundary
         batch, hidden = op.shape("x")
-        return HEADER_BYTES + 2 * min(batch, MAX_PAIRS) * hidden
+        xs = -(-2 * min(batch, MAX_PAIRS) * hidden // 16) * 16
+        units = -(-op.shape("weight")[2] // ALIGN)  # a range: at most ALIGN x ceil(units / T)
+        pairs = op.shape("expert_ids")[1]
+        ys = 2 * pairs * ALIGN * -(-units // op.grid[1]) if _flaggable(op) else 0
+        return HEADER_BYTES + xs + ys
+
+    def flag_operands(self, op: OpView) -> frozenset[str]:
+        # sm90.cuh stores out's words from a shared-memory gather after every read of the task.
+        # Batch 1 only: there the K slots and the row's K distinct experts (moe_router's top-k
+        # never repeats one) pair one to one, so every task writes its range of one pair in
+        # every step, and a reader that saw every word saw every task's writes
+        # (compiler/flags.py's premise). At batch > 1 a slot past the step's distinct experts
+        # writes nothing, and a reader's polls would not cover it. (Ids with a repeat, which
+        # only tests write, leave one slot idle: its task writes nothing and only reads.)
+        # x is staged before the ids are polled: sound while the wait on x's writer stays
+        # counted (tests/compiler/test_flags.py checks it for the MoE graphs).
+        # The ids are polled at batch 1 (moe_router writes them as words there).
+        return frozenset({"out", "expert_ids"}) if _flaggable(op) else frozenset()
 
     def reference(self, tile: Tile) -> None:
         weight = tile["weight"]  # whole [E, 2, I, H]
@@ -163,3 +184,8 @@ class MoeGateUp(TaskKind):
         return TaskCost(weight_bytes=round(busy * 4 * rows * hidden),
                         act_bytes=2 * batch * hidden + round(pairs * 2 * rows),
                         flops=round(pairs * 4 * rows * hidden))
+
+
+def _flaggable(op: OpView) -> bool:
+    batch = op.shape("x")[0]
+    return batch == 1 and op.shape("weight")[2] % 2 == 0

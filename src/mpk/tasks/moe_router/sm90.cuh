@@ -17,7 +17,8 @@
 //    a serial chain of shuffles, ~3.2 us a row even with the code warm (perf-log, nineteenth
 //    session, probe router_twice).
 // 3. Warp 0: lane j < K takes slot j; the renormalising sum adds the slots in order, as
-//    route() does.
+//    route() does. Flagged ids (batch 1): each id is stored as a word with its epoch, after
+//    every read of the task (the logits, in step 1).
 #pragma once
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -139,7 +140,12 @@ MPK_TASK_ENTRY void run(const mpk::TaskArgs& a) {
   for (int j = 0; j < K; ++j) norm = j == 0 ? top_p[0] : __fadd_rn(norm, top_p[j]);
   if (lane < K) {
     const float mine = top_p[lane];
-    a.operand<int>(O_EXPERT_IDS)[lane] = top_id[lane];
+    const uint32_t ids_ep = dev::flag_epoch<FLAGGED>(a, O_EXPERT_IDS);
+    if (ids_ep == 0u)
+      a.operand<int>(O_EXPERT_IDS)[lane] = top_id[lane];
+    else  // batch 1 (task.py): moe_gate_up polls the words, not this task's counter
+      dev::st_flag(dev::flag_operand<dev::flag_word, 1>(a, O_EXPERT_IDS) + lane,
+                   dev::make_flag_word(static_cast<uint32_t>(top_id[lane]), ids_ep));
     a.operand<bf16>(O_EXPERT_WEIGHTS)[lane] = dev::to_bf16(renorm ? __fdiv_rn(mine, norm) : mine);
   }
 }

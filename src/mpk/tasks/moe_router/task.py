@@ -78,7 +78,9 @@ class MoeRouter(TaskKind):
         # Warp 0 polls every word of its row's logits (sm90.cuh step 1), on every path: the
         # router gate (a linear) writes them as flagged words, so the router starts as soon
         # as the gate's last store lands, without the gate's fence and counter in between.
-        return frozenset({"logits"})
+        # At batch 1 the ids are stored as flagged words too (step 3), which moe_gate_up and
+        # moe_down poll.
+        return frozenset({"logits", "expert_ids"} if op.shape("logits")[0] == 1 else {"logits"})
 
     def default_splits(self, grid, tensors):
         return {name: (0, None, None) for name in ROW_OPERANDS}
