@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call per mode (each fits the 10-minute limit), logs under $OUT (default ./out).
-#   bash scripts/gpu_check.sh correctness  runtime, kernel and model GPU tests, generate, memcheck
+#   bash scripts/gpu_check.sh kernels      the runtime's and every kernel's GPU tests (~400 s)
+#   bash scripts/gpu_check.sh models       the model GPU tests, `mpk generate`, memcheck (~450 s)
+#   bash scripts/gpu_check.sh correctness  kernels, then models (over one call's 600 s: two calls)
 #   bash scripts/gpu_check.sh real         SmolLM2-135M on CUDA against transformers (GGUF: see
 #                                          GGUF_PARTS below), `mpk generate` and `mpk bench` on it
 #   bash scripts/gpu_check.sh gates        the issues' gates, `mpk bench` each (torch.compile in the
@@ -87,12 +89,18 @@ step() {  # step NAME LIMIT CMD...: run within the call's budget, log to $OUT/NA
 }
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rfE --timeout ${TEST_TIMEOUT:-90} ${PYTEST_ARGS:-}"
 case $mode in
-  correctness)
+  correctness|kernels|models)
+    case $mode in models) ;; *)
     step runtime 120 $PYTEST tests/gpu/test_runtime.py || exit $status
     step kernels_linear 200 $PYTEST tests/gpu/test_kernels_linear.py
     step kernels_attention 150 $PYTEST tests/gpu/test_kernels_attention.py
     step kernels_other 100 $PYTEST tests/gpu/test_kernels.py
+    step kernels_moe 150 $PYTEST tests/gpu/test_kernels_moe.py
+    step kernels_flags 100 $PYTEST tests/gpu/test_flags.py
+    step kernels_prefill 150 $PYTEST tests/gpu/test_kernels_prefill.py
     [ $status -eq 0 ] || exit $status
+    [ "$mode" = kernels ] && exit $status ;;
+    esac
     # The interpreter side of every_buffer on qwen3-8b alone takes minutes: two steps, so the
     # engine tests are not starved by it (seventh session: one 240 s step ran out).
     step models_buffers 300 $PYTEST --timeout 280 tests/gpu/test_model_gpu.py -k every_buffer
@@ -242,7 +250,7 @@ case $mode in
     [ "${SERVING_LONG:-1}" = 1 ] && step bench-serving-long 200 python3 -m mpk bench --serving --model qwen3-0.6b \
       --requests 32 --max-batch 16 --prompt-len 64:1024 --json
     ;;
-  *) echo "unknown mode $mode (use correctness, real, perf, probe, wgmma, tp, serve, runs," \
+  *) echo "unknown mode $mode (use kernels, models, correctness, real, perf, probe, wgmma, tp, serve, runs," \
        "prefill, attention, marks or moe)"
      exit 2 ;;
 esac
