@@ -250,8 +250,8 @@ case $mode in
     [ "${SERVING_LONG:-1}" = 1 ] && step bench-serving-long 200 python3 -m mpk bench --serving --model qwen3-0.6b \
       --requests 32 --max-batch 16 --prompt-len 64:1024 --json
     ;;
-  *) echo "unknown mode $mode (use kernels, models, correctness, real, perf, probe, wgmma, tp, serve, runs," \
-       "prefill, attention, marks or moe)"
+  *) echo "unknown mode $mode (use kernels, models, correctness, real, perf, probe, wgmma, tp," \
+       "serve, runs, prefill, attention, marks or moe)"
      exit 2 ;;
 esac
 exit $status
