@@ -312,15 +312,22 @@ class Scheduler:
                 self._release(run, run.finished)
         return 1
 
-    def _start_decode(self, after: _Decode | None = None) -> _Decode:
-        """Lay out and start a decode launch of every request not being chunked. `after`: the
-        launch still running before it (_start_next)."""
+    def _plan_decode(self) -> tuple[int, Executor, int, list[Rows]]:
+        """The next decode launch of every request not being chunked: (steps, executor, its
+        plan's rows, layout)."""
         n = min(self.steps_per_launch, max(r.steps_left for r in self._decoding()))
         executor, rows = self._plan_for(n)
         layout = self._layout(n, rows)
         # A run stops being useful once its prompt is fed: no longer launch than the rows need.
         n = min(n, max(-(-r.run.prompt_left // r.width) if r.is_run else r.run.steps_left
                        for r in layout))
+        return n, executor, rows, layout
+
+    def _start_decode(self, after: _Decode | None = None,
+                      planned: tuple[int, Executor, int, list[Rows]] | None = None) -> _Decode:
+        """Start the next decode launch (`planned` by _plan_decode, else planned here).
+        `after`: the launch still running before it (_start_next)."""
+        n, executor, rows, layout = planned or self._plan_decode()
         follows = set() if after is None else followers(after.layout, layout)
         write_inputs(executor, layout, InputShape(rows, self.steps_per_launch, self.max_pages,
                                                   self.sampling, self.runs), follows)
@@ -350,13 +357,12 @@ class Scheduler:
                 or any(r.finished is not None or r.handle.cancelled or r.steps_left < 1
                        for r in old)):
             return None
-        n = min(self.steps_per_launch, max(r.steps_left for r in old))
-        executor, rows = self._plan_for(n)
-        if (executor is not current.executor
-                or len(followers(current.layout, self._layout(n, rows))) != len(old)):
+        planned = self._plan_decode()
+        if (planned[1] is not current.executor
+                or len(followers(current.layout, planned[3])) != len(old)):
             return None
         self.stats.overlapped += 1
-        return self._start_decode(after=current)
+        return self._start_decode(after=current, planned=planned)
 
     def _finish(self, current: _Decode) -> int:
         """Wait for `current`, hand out its tokens, release the requests it finished."""
