@@ -1,4 +1,4 @@
-"""Helpers that only the tests use: token oracles and the multi-rank CPU executor.
+"""Helpers that only the tests use: token oracles, the multi-rank CPU executor, stream order.
 
 Nothing in mpk's commands imports this module; it lives in the package (not in tests/) because
 the GPU tests and the CPU tests share it, and its executor drives the interpreter's internals.
@@ -6,9 +6,6 @@ the GPU tests and the CPU tests share it, and its executor drives the interprete
 Token oracles: generated tokens against the reference model, teacher-forced, up to a near-tie.
 
 MultiRankCpuExecutor: G tensor-parallel ranks on the CPU interpreter, with a simulated all-reduce.
-
-StreamOrdered: an executor as a CUDA stream orders it, for tests of host code that overlaps
-launches (the scheduler starts a launch before the last one's tokens are read).
 
 Each rank is a plain CpuExecutor over its own Plan (its own tensors, poisoned activations and
 dependency counters); this class only decides WHICH rank's task runs next and hands `allreduce`
@@ -27,6 +24,9 @@ CHECKS that claim on every all-reduce it runs and raises CrossRankHazardError if
 Orders: "schedule" always advances the lowest (rank, SM) that can run, so rank 0 races as far
 ahead of its peers as the waits allow (the adversarial case for a missing wait); "random" picks
 a random runnable (rank, SM) each time (seeded).
+
+StreamOrdered: an executor as a CUDA stream orders it, for tests of host code that overlaps
+launches (the scheduler starts a launch before the last one's tokens are read).
 """
 
 from __future__ import annotations
